@@ -1,0 +1,3 @@
+from bloomery.cli import main
+
+main()
