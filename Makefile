@@ -24,7 +24,7 @@ models: venv
 	$(PY) -m bloomery.tools.models
 
 demo: venv
-	$(PY) -m bloomery.tools.models --only smollm2-135m/bf16 smollm2-135m/nvfp4
+	$(PY) -m bloomery.tools.models --only smollm2-135m/nvfp4
 	$(BLOOMERY) inspect $(BLOOMERY_MODELS)/smollm2-135m/nvfp4
 
 test: models

@@ -1,0 +1,164 @@
+"""Tiny random-init models (seeded, deterministic) of each family, from transformers configs,
+plus a tiny byte-level BPE tokenizer (vocab 512) built in code; no downloads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 512
+SEED = 1234
+BOS, EOS = "<|im_start|>", "<|im_end|>"
+SPECIALS = ["<|endoftext|>", BOS, EOS]  # ids 0, 1, 2 (as SmolLM2)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+QUANT_FORMATS = ("nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv")
+# further ModelOpt formats, exported for tiny-llama only
+LLAMA_EXTRA_FORMATS = ("fp8_channel", "fp8_pb_wo", "nvfp4_w4a16", "mxfp4", "w4a8_nvfp4_fp8",
+                       "mixed_nvfp4_fp8", "nvfp4_awq")
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=1024, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def family_config(family: str):
+    """The transformers config of a tiny family (architectures set)."""
+    import transformers as tf
+
+    if family == "llama":
+        # wider than the MoE ones so that FP8 128x128 blocks come out as real 2-D grids
+        cfg = tf.LlamaConfig(**{**_COMMON, "hidden_size": 256}, intermediate_size=384,
+                             num_hidden_layers=2, head_dim=32,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        arch = "LlamaForCausalLM"
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**_COMMON, intermediate_size=256, num_hidden_layers=2, head_dim=32,
+                                moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        arch = "Qwen3MoeForCausalLM"
+    elif family == "qwen3_next":
+        cfg = tf.Qwen3NextConfig(
+            **_COMMON, intermediate_size=256, num_hidden_layers=4, head_dim=64,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                             "partial_rotary_factor": 0.25})
+        arch = "Qwen3NextForCausalLM"
+    elif family == "glm4_moe":
+        cfg = tf.Glm4MoeConfig(
+            **_COMMON, intermediate_size=256, num_hidden_layers=3, first_k_dense_replace=1,
+            moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                             "partial_rotary_factor": 0.5})
+        arch = "Glm4MoeForCausalLM"
+    else:
+        raise KeyError(family)
+    cfg.architectures = [arch]  # required by ModelOpt's export
+    return cfg
+
+
+def _corpus() -> list[str]:
+    from .smollm2 import CALIB_PROMPTS
+
+    text = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Paris is the capital of France. Berlin is the capital of Germany.",
+        "Rome is the capital of Italy and Madrid is the capital of Spain.",
+        "def add(a, b):\n    return a + b\n",
+        "for i in range(10):\n    print(i * i)\n",
+        "One, two, three, four, five, six, seven, eight, nine, ten.",
+        "0123456789 + - * / = ( ) [ ] { } < > ' \" ! ? , . ; :",
+        "Quantization maps weights to fewer bits: FP8, NVFP4, MXFP8 and MXFP4.",
+        "A small model answers questions about the world, writes poems and code.",
+        "The weather today is sunny with a light breeze from the west.",
+    ]
+    return (text + CALIB_PROMPTS) * 4
+
+
+def build_tokenizer():
+    """Byte-level BPE of exactly VOCAB tokens, trained on a fixed in-code corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  min_frequency=1)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, wanted {VOCAB}")
+    return tok
+
+
+def save_tokenizer(out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), bos_token=BOS, eos_token=EOS,
+                                   pad_token=EOS, unk_token=SPECIALS[0])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    tc_p = out / "tokenizer_config.json"
+    tc = json.loads(tc_p.read_text())
+    tc.setdefault("chat_template", CHAT_TEMPLATE)
+    tc_p.write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+
+
+def add_legacy_keys(folder: Path) -> None:
+    """transformers 5 writes rope settings only under "rope_parameters" and Qwen3-MoE's expert
+    count as "num_local_experts"; add the top-level keys that hub configs (and older
+    loaders) use: rope_theta, partial_rotary_factor, num_experts."""
+    cfg_p = folder / "config.json"
+    cfg = json.loads(cfg_p.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in cfg and key in rope:
+            cfg[key] = rope[key]
+    if cfg.get("model_type") == "qwen3_moe" and "num_local_experts" in cfg:
+        cfg.setdefault("num_experts", cfg["num_local_experts"])
+    cfg_p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def build_bf16(family: str, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    cfg = family_config(family)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out)
+    save_tokenizer(out)
+    add_legacy_keys(out)
+
+
+def calib_batches(n: int = 4, batch: int = 2, seq: int = 32):
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 1)
+    return [torch.randint(3, VOCAB, (batch, seq), generator=g) for _ in range(n)]
+
+
+def build_quant(fmt: str, out: Path, bf16_dir: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .modelopt_export import finish_folder, quantize_and_export
+
+    model = AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).eval()
+    qcfg = quantize_and_export(model, fmt, calib_batches(), out)
+    finish_folder(out, bf16_dir)
+    return qcfg
