@@ -1,0 +1,69 @@
+"""`bloomery inspect` on every real ModelOpt export of `make models`: the right format for every
+weight, totals that add up, the same tensors as the BF16 model they came from, and values that
+decode close to it (the quantization error, not a misread layout)."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from bloomery.cli import main
+from bloomery.compiler.checkpoint import Checkpoint
+from bloomery.tools import models
+
+# export name -> the formats its quantized linears are in
+QUANTIZED = {"nvfp4": {"nvfp4"}, "nvfp4_fp8kv": {"nvfp4"}, "nvfp4_awq": {"nvfp4"}, "nvfp4_w4a16": {"nvfp4"},
+             "fp8": {"fp8_tensor"}, "fp8_channel": {"fp8_channel"}, "fp8_pb_wo": {"fp8_block128"},
+             "mxfp8": {"mxfp8"}, "mxfp4": {"mxfp4"}, "mixed_nvfp4_fp8": {"nvfp4", "fp8_tensor"}}
+# relative L2 error of a decoded weight against the BF16 original: a bound per format family
+ERROR = {"nvfp4": 0.2, "mxfp4": 0.25, "fp8_tensor": 0.08, "fp8_channel": 0.08, "fp8_block128": 0.08, "mxfp8": 0.08}
+REFUSED = {"w4a8_nvfp4_fp8"}   # NVFP4 in groups of 32: refused by name (UnknownQuantAlgo)
+EXPORTS = [n for n in models.SPECS if n.split("/")[1] in QUANTIZED]
+
+
+def need(name):
+    if not models.is_built(name):
+        pytest.skip(f"{name} not built in {models.models_dir()} (run: make models)")
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", EXPORTS)
+def test_inspect_export(name):
+    need(name)
+    base = name.split("/")[0] + "/bf16"
+    need(base)
+    r = CliRunner().invoke(main, ["inspect", "--json", str(models.model_dir(name))])
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.output)
+    rows = {t["name"]: t for t in obj["tensors"]}
+    quantized = {t["format"] for t in rows.values() if t["scales"]}
+    assert quantized == QUANTIZED[name.split("/")[1]]
+    for fmt, tot in obj["totals"].items():
+        mine = [t for t in rows.values() if t["format"] == fmt]
+        assert tot["tensors"] == len(mine) and tot["bytes"] == sum(t["bytes"] for t in mine)
+        assert tot["elements"] == sum(int(np.prod(t["shape"])) for t in mine)
+    ref = Checkpoint.open(models.model_dir(base))
+    tied = {"lm_head.weight"} if ref.config.get("tie_word_embeddings") else set()
+    assert set(rows) == set(ref.tensors) - tied
+    for n, t in rows.items():
+        assert tuple(t["shape"]) == ref.tensors[n].shape, n
+    if name.endswith("_fp8kv"):
+        assert obj["quantization"]["kv_cache_quant_algo"] == "FP8" and obj["kv_scales"]
+    if name.endswith("_awq"):
+        return   # AWQ folds its smoothing into the norms and weights: values differ from the BF16 model by design
+    ck = Checkpoint.open(models.model_dir(name))
+    for n, t in ck.tensors.items():
+        if n not in rows or not rows[n]["scales"]:
+            continue
+        got, want = t.decode(), ref.tensors[n].decode()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err < ERROR[t.format.name], (n, t.format.name, err)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", [n for n in models.SPECS if n.split("/")[1] in REFUSED])
+def test_refused_export(name):
+    need(name)
+    r = CliRunner().invoke(main, ["inspect", str(models.model_dir(name))])
+    assert r.exit_code != 0 and "UnknownQuantAlgo" in r.output and "W4A8_NVFP4_FP8" in r.output
