@@ -1,11 +1,11 @@
 """One safetensors shard: its header, read and validated without touching tensor data,
-and its tensors as lazy views of one read-only mmap of the file."""
+and its tensors as lazy read-only mmaps. Each view maps only its own tensor and is unmapped
+when the last array over it dies, so pages read while streaming leave the resident set."""
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -51,7 +51,6 @@ class Shard:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._mmap: mmap.mmap | None = None
         size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
             head = f.read(8)
@@ -109,10 +108,7 @@ class Shard:
         dt = dtypes.to_numpy(t.dtype)
         if t.nbytes == 0:
             return np.zeros(t.shape, dt)
-        if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return np.frombuffer(self._mmap, dtype=dt, count=t.nbytes // dt.itemsize, offset=t.begin).reshape(t.shape)
+        return np.memmap(self.path, dtype=dt, mode="r", offset=t.begin, shape=t.shape)
 
     def __repr__(self) -> str:
         return f"Shard({self.path.name!r}, {len(self.tensors)} tensors)"

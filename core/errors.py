@@ -101,3 +101,97 @@ class UnsupportedDtype(CheckpointError):
 
 class DuplicateTensor(CheckpointError):
     """Two shards hold a tensor of the same name."""
+
+
+# --- specs, levers and tensor planning (core/specs, core/levers, compiler/planning) --------
+
+
+class SpecError(BloomeryError):
+    """A spec file (specs/*.yaml) is malformed: a missing or unknown field, a bad expression."""
+
+
+class UnknownArchitecture(BloomeryError):
+    """No spec serves the checkpoint's architectures / model_type."""
+
+
+class MissingConfigKey(CheckpointError):
+    """config.json lacks a value the model's spec needs."""
+
+
+class UnsupportedConfig(CheckpointError):
+    """config.json asks for a feature bloomery does not implement (e.g. a rope scaling type)."""
+
+
+class LeverError(BloomeryError):
+    """A lever (environment switch) has a value it does not take, or conflicts with an option."""
+
+
+class BadLeverValue(LeverError):
+    """A lever is set to a value outside its registry row."""
+
+
+class LeverConflict(LeverError):
+    """A lever and a command-line option ask for opposite things (--keep-bf16 with BLOOMERY_PREPARE_Q8=1)."""
+
+
+class PlanError(BloomeryError):
+    """The checkpoint's tensors do not fit the model's spec, or cannot be placed in the artifact."""
+
+
+class UnknownTensor(PlanError):
+    """A checkpoint tensor matches no template of the spec."""
+
+
+class MissingTensor(PlanError):
+    """A tensor the spec expects is not in the checkpoint."""
+
+
+class TensorShapeMismatch(PlanError):
+    """A tensor's logical shape differs from the one the spec computes from config.json."""
+
+
+class MixedExpertFormats(PlanError):
+    """The experts stacked into one artifact tensor are stored in different formats."""
+
+
+class FormatNotAllowed(PlanError):
+    """A tensor's stored format is one the runtime cannot read in its role."""
+
+
+class TPNotDivisible(PlanError):
+    """A dimension (heads, KV heads, rows) does not divide by the tensor-parallel size."""
+
+
+# --- the artifact (core/artifact, compiler/writer, compiler/publish) ----------------
+
+
+class ArtifactError(BloomeryError):
+    """An artifact folder is damaged, incomplete or not a bloomery artifact."""
+
+
+class ArtifactMalformed(ArtifactError):
+    """An artifact's GGUF tensors or metadata do not match what its layout says."""
+
+
+class ArtifactMissingShard(ArtifactError):
+    """A shard (or SHA256SUMS) the artifact names is not in its folder, or an unlisted file is."""
+
+
+class ArtifactChecksumMismatch(ArtifactError):
+    """A file of the artifact does not match its SHA-256 in SHA256SUMS."""
+
+
+class ArtifactLocked(ArtifactError):
+    """Another prepare is publishing to the same output (when asked not to wait)."""
+
+
+class PublishVerifyFailed(ArtifactError):
+    """A shard just written does not read back as planned (sizes, checksums, decoded values)."""
+
+
+class MetadataTypeError(ArtifactError):
+    """A metadata value has no GGUF type (a dict, an empty or mixed list, None)."""
+
+
+class OutputNotArtifact(ArtifactError):
+    """The output path exists and is neither an empty folder nor a bloomery artifact: never replaced."""

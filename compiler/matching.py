@@ -1,0 +1,102 @@
+"""Checkpoint tensors against a spec's templates: every HF tensor matched by exactly one
+template (or an ignore rule), every expected tensor present; experts grouped per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bloomery.core.errors import MissingTensor, SpecError, UnknownTensor
+from bloomery.core.specs import Spec, TensorRule
+
+
+@dataclass
+class Slot:
+    """One artifact tensor before planning: its rule, layer, name and HF tensors (by xid for experts)."""
+
+    rule: TensorRule
+    bid: int | None
+    name: str
+    hf: tuple          # HF names, one per expert when stacked
+    env: dict          # the values its expressions see (config, layer values, bid)
+
+
+def _expected(spec: Spec, values: dict) -> tuple[list[Slot], dict]:
+    """The artifact tensors the spec expects, in spec order (globals first, then layers, then the
+    rest), and HF name -> slot."""
+    nlayers = int(spec.layers(values))
+    envs = [spec.layer_values(values, b) for b in range(nlayers)]
+    first_layer = next((i for i, r in enumerate(spec.tensors) if r.per_layer), len(spec.tensors))
+    order = []
+    for i, r in enumerate(spec.tensors):
+        if r.per_layer:
+            order += [(1, b, i) for b in range(nlayers)]
+        else:
+            order.append((0 if i < first_layer else 2, -1, i))
+    slots, by_hf = [], {}
+    for _, b, i in sorted(order):
+        r = spec.tensors[i]
+        env = envs[b] if r.per_layer else values
+        if r.when is not None and not r.when(env):
+            continue
+        xids = range(int(r.experts(env))) if r.experts is not None else [None]
+        hf = tuple(r.hf.replace("{bid}", str(b)).replace("{xid}", str(x)) for x in xids)
+        slot = Slot(r, b if r.per_layer else None, r.name.replace("{bid}", str(b)), hf, env)
+        for h in hf:
+            if h in by_hf:
+                raise SpecError(f"{spec.path}: HF tensor {h!r} is expected by two templates "
+                                f"({by_hf[h].rule.hf!r} and {r.hf!r})")
+            by_hf[h] = slot
+        slots.append(slot)
+    return slots, by_hf
+
+
+def _ignored(spec: Spec, values: dict, name: str) -> bool:
+    for ig in spec.ignore:
+        m = ig.pattern.match(name)
+        if not m:
+            continue
+        env = values
+        if m.groupdict().get("bid") is not None:
+            env = spec.layer_values(values, int(m["bid"]))
+        if ig.when is None or ig.when(env):
+            return True
+    return False
+
+
+def _why_unknown(spec: Spec, values: dict, name: str) -> str:
+    """Why a name that some template matches is still not expected."""
+    nlayers = int(spec.layers(values))
+    hits = [(r, m) for r in spec.tensors if (m := r.pattern.match(name))]
+    if not hits:
+        return "it matches no template of the spec"
+    r, m = hits[0]
+    g = m.groupdict()
+    if g.get("bid") is not None and int(g["bid"]) >= nlayers:
+        return f"layer {g['bid']} is beyond the {nlayers} layers of config.json"
+    env = spec.layer_values(values, int(g["bid"])) if g.get("bid") is not None else values
+    if r.when is not None and not r.when(env):
+        return f"template {r.hf!r} applies only when {r.when.text}, which is false here"
+    if g.get("xid") is not None:
+        return f"expert {g['xid']} is beyond the {int(r.experts(env))} experts of config.json"
+    return f"template {r.hf!r} does not expect it"   # not reached for a well-formed spec
+
+
+def match(spec: Spec, values: dict, names, where: str) -> list[Slot]:
+    """The spec's artifact tensors for a checkpoint holding HF tensors `names` (UnknownTensor /
+    MissingTensor by name otherwise)."""
+    slots, by_hf = _expected(spec, values)
+    present = set(names)
+    for n in sorted(present):
+        if n in by_hf:
+            continue
+        if _ignored(spec, values, n):
+            continue
+        raise UnknownTensor(f"{where}: tensor {n!r} is not part of the {spec.family} spec ({spec.path.name}): "
+                            f"{_why_unknown(spec, values, n)}. Nothing was written.")
+    missing = [(h, s) for s in slots for h in s.hf if h not in present]
+    if missing:
+        h, s = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MissingTensor(f"{where}: tensor {h!r} (artifact tensor {s.name!r}, role {s.rule.role}) is expected by "
+                            f"the {spec.family} spec but not stored{more}. Nothing was written.")
+    return slots

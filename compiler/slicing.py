@@ -1,0 +1,104 @@
+"""Tensor-parallel slices of stored tensors: where each rank's cut falls (checked at plan
+time, with the numbers), and the lazy producers of a rank's parts (cut, expert stacking,
+the Q8_0 rewrite). Producers read through the shards' mmaps and copy only the slice."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from bloomery.core import formats, specs
+from bloomery.core.errors import NotOnBlockBoundary, TPNotDivisible
+from bloomery.core.formats import nvfp4
+
+AXIS = {"column": -2, "row": -1}
+Q8_BLOCK = 32
+
+
+def rank_range(n: int, tp: int, rank: int, unit: int | None = None) -> tuple[int, int]:
+    """Rank's [start, stop) of an axis of length n: equal slices, or whole `unit`s shared out as
+    evenly as possible (core/specs.share: the first ranks take one more)."""
+    if unit is None:
+        per = n // tp
+        return rank * per, (rank + 1) * per
+    units = n // unit
+    start = sum(specs.share(units, tp, r) for r in range(rank))
+    return start * unit, (start + specs.share(units, tp, rank)) * unit
+
+
+def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where: str,
+                    unit: int | None = None) -> None:
+    """Refuse a cut of a tensor of logical `shape` (per expert) over tp ranks that is uneven
+    without a unit, or has fewer units than ranks (TPNotDivisible), or has a rank's slice start
+    or stop off the format's block (NotOnBlockBoundary); nvfp4 row cuts of a row length the
+    artifact repacks into GGML NVFP4 (a multiple of 64) must keep 64."""
+    if tp == 1 or cut == "replicated":
+        return
+    axis = AXIS[cut]
+    n = shape[axis]
+    side = "out (rows)" if axis == -2 else "in (columns)"
+    if unit is None and n % tp:
+        raise TPNotDivisible(f"{where}: {fmt.name} axis {side} of length {n} does not split into tp {tp} "
+                             f"equal slices. Use a tp that divides {n}.")
+    if unit is not None and (n % unit or n // unit < tp):
+        raise TPNotDivisible(f"{where}: {fmt.name} axis {side} of length {n} holds {n // unit} units of {unit}; "
+                             f"tp {tp} needs at least one whole unit per rank.")
+    block = fmt.cut_unit(axis)
+    why = "the format's block"
+    if fmt.name == "nvfp4" and axis == -1 and n % nvfp4.GGML_BLOCK == 0:
+        block, why = nvfp4.GGML_BLOCK, "GGML NVFP4's super-block (the artifact repacks rows of a multiple of 64)"
+    for rank in range(tp):
+        start, stop = rank_range(n, tp, rank, unit)
+        if start % block or (stop % block and stop != n):
+            raise NotOnBlockBoundary(f"{where}: {fmt.name} axis {side} of length {n} cut for tp {tp} gives rank "
+                                     f"{rank} the slice {start}..{stop}, not on a multiple of {block} ({why}). "
+                                     f"Use a tp whose slices fall on multiples of {block}.")
+
+
+def q8_allowed(cut: str, shape: tuple, tp: int, unit: int | None = None) -> bool:
+    """Q8_0 blocks run along in: every rank's row length must be a multiple of 32."""
+    if len(shape) < 2:
+        return False
+    if cut != "row":
+        return shape[-1] % Q8_BLOCK == 0
+    return all((b - a) % Q8_BLOCK == 0 for a, b in (rank_range(shape[-1], tp, r, unit) for r in range(tp)))
+
+
+def _unit_shape(a: np.ndarray) -> np.ndarray:
+    """A one-element per-tensor scale as a 0-d array, so that stacking gives [E]."""
+    a = np.asarray(a)
+    return a.reshape(()) if a.ndim == 1 and a.shape == (1,) else a
+
+
+def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, stacked: bool,
+             q8: bool, where: str, scalar: bool = False, unit: int | None = None) -> Callable[[], dict]:
+    """This rank's parts, produced when called. `experts` are QuantTensors (one unless stacked)."""
+    axis = AXIS.get(cut)
+
+    def one(qt) -> dict:
+        parts = qt.parts                          # mmapped views: nothing read yet
+        if axis is None or tp == 1:
+            return parts
+        start, stop = rank_range(fmt.shape(parts)[axis], tp, rank, unit)
+        return fmt.cut(parts, axis, start, stop, where)
+
+    def produce() -> dict:
+        if not stacked:
+            out = one(experts[0])
+        else:
+            out = {}
+            for i, qt in enumerate(experts):
+                p = one(qt)
+                for k, v in p.items():
+                    v = _unit_shape(v)
+                    if i == 0:
+                        out[k] = np.empty((len(experts),) + v.shape, v.dtype)
+                    out[k][i] = v
+        if q8:
+            return formats.get("q8_0").encode(fmt.decode(out, where))
+        if scalar:                                # a one-value tensor planned as shape ()
+            return {k: np.asarray(v).reshape(()) for k, v in out.items()}
+        return out
+
+    return produce
