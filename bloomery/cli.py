@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -34,7 +35,9 @@ def main():
     """Compile NVIDIA ModelOpt checkpoints ahead of time and run them.
 
     \b
-    bloomery inspect <folder>     what a checkpoint holds, format by format
+    bloomery inspect <folder|artifact>     what a checkpoint or an artifact holds
+    bloomery prepare <folder> <out>        compile a checkpoint into an artifact
+    bloomery levers                        the environment switches and their cost
     """
 
 
@@ -46,56 +49,218 @@ def _human(n: int) -> str:
     return str(n)
 
 
-@main.command()
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-@refusals
-def inspect(folder, as_json):
-    """Show what a checkpoint FOLDER holds: each weight with its resolved stored format,
-    shape, bytes and scales, then totals by format.
+def _verbatim(text: str) -> str:
+    """Text click prints as is (it rewraps paragraphs not marked with \\b)."""
+    return "\n\n".join("\b\n" + para for para in text.strip("\n").split("\n\n"))
 
-    Every weight is grouped with its scales (weight_scale, weight_scale_2, input_scale,
-    pre_quant_scale) and checked against the quantization config; a malformed folder is
+
+def _is_artifact(path: Path) -> bool:
+    from bloomery.core.artifact.reader import SUMS
+    return (path / SUMS).is_file() or any(path.glob("rank*-*-of-*.gguf"))
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--rank", type=int, default=None, help="Artifact: the tensor-parallel rank to show (default: 0; "
+              "totals cover every rank).")
+@click.option("--tensor", "tensor_name", default=None, help="One tensor by name (artifact name, or HF name "
+              "in a checkpoint folder).")
+@click.option("--decode", "decode_to", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --tensor: write its decoded float32 values to this .npy file ([out, in]; routed "
+              "experts [expert, out, in]).")
+@refusals
+def inspect(path, as_json, rank, tensor_name, decode_to):
+    """Show what PATH holds: a checkpoint folder or a bloomery artifact.
+
+    A checkpoint folder: each weight with its resolved stored format, shape, bytes and
+    scales (weight_scale, weight_scale_2, input_scale, pre_quant_scale), then totals by
+    format. Every weight is checked against the quantization config; a malformed folder is
     refused with a named error and a non-zero exit.
+
+    An artifact (from `bloomery prepare`): each artifact tensor (llama.cpp's names) with its
+    format, GGUF layout, role, TP cut, this rank's shape and bytes, then bytes per rank.
 
     \b
     Examples:
       bloomery inspect ./Llama-3.1-8B-Instruct-FP4
       bloomery inspect ./ckpt --json | jq '.totals'
+      bloomery inspect ./artifact --rank 1
+      bloomery inspect ./artifact --tensor blk.0.attn_q --rank 1 --decode q.npy
     """
+    if decode_to is not None and tensor_name is None:
+        raise click.UsageError("--decode needs --tensor NAME")
+    if _is_artifact(path):
+        return _inspect_artifact(path, as_json, rank or 0, tensor_name, decode_to)
+    if rank is not None:
+        raise click.UsageError(f"--rank applies to an artifact; {path} is a checkpoint folder")
     from bloomery.compiler.checkpoint import Checkpoint
 
-    ckpt = Checkpoint.open(folder)
+    ckpt = Checkpoint.open(path)
+    if tensor_name is not None:
+        if tensor_name not in ckpt.tensors:
+            raise click.UsageError(f"{path} has no tensor {tensor_name!r} (see `bloomery inspect {path}`)")
+        t = ckpt.tensors[tensor_name]
+        return _show_one(t.name, t.format.name, t.shape, t.nbytes, t.decode if decode_to else None, decode_to,
+                         as_json, {"scales": t.scales})
     rows = [
         {"name": t.name, "format": t.format.name, "shape": list(t.shape), "bytes": t.nbytes, "scales": t.scales}
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
     totals = ckpt.totals()
+    q = ckpt.quant
     if as_json:
         click.echo(json.dumps({
             "folder": str(ckpt.folder),
-            "quantization": {"source": ckpt.quant.source, "quant_algo": ckpt.quant.quant_algo,
-                             "kv_cache_quant_algo": ckpt.quant.kv_cache_quant_algo},
+            "quantization": {"source": q.source, "quant_algo": q.quant_algo,
+                             "kv_cache_quant_algo": q.kv_cache_quant_algo},
             "tensors": rows,
             "kv_scales": sorted(ckpt.kv_scales),
             "totals": totals,
         }, indent=1))
         return
-    w = max((len(r["name"]) for r in rows), default=4)
-    click.echo(f"{'tensor':<{w}}  {'format':<12} {'shape':<20} {'bytes':>10}  scales")
-    for r in rows:
-        scales = ", ".join(s.rsplit(".", 1)[-1] for s in r["scales"])
-        click.echo(f"{r['name']:<{w}}  {r['format']:<12} {str(r['shape']):<20} {_human(r['bytes']):>10}  {scales}")
-    click.echo("")
-    q = ckpt.quant
-    click.echo(f"quantization: {q.quant_algo or 'none'} (kv cache: {q.kv_cache_quant_algo or 'as computed'}) "
+    _table(rows, ("format", "shape", "bytes", "scales"))
+    click.echo(f"\nquantization: {q.quant_algo or 'none'} (kv cache: {q.kv_cache_quant_algo or 'as computed'}) "
                f"from {q.source}")
+    _totals(totals)
+
+
+def _show_one(name, fmt, shape, nbytes, decode, decode_to, as_json, extra):
+    info = {"name": name, "format": fmt, "shape": list(shape), "bytes": nbytes, **extra}
+    if decode is not None:
+        import numpy as np
+        values = decode()
+        np.save(decode_to, values)
+        info["decoded"] = {"file": str(decode_to), "dtype": str(values.dtype), "shape": list(values.shape)}
+    click.echo(json.dumps(info, indent=1) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
+
+
+def _table(rows, cols):
+    w = max((len(r["name"]) for r in rows), default=6)
+    click.echo(f"{'tensor':<{w}}  " + " ".join(f"{c:<12}" if c != "bytes" else f"{c:>10}" for c in cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c == "bytes":
+                cells.append(f"{_human(v):>10}")
+            elif c == "scales":
+                cells.append(", ".join(s.rsplit(".", 1)[-1] for s in v))
+            else:
+                cells.append(f"{str(v):<12}")
+        click.echo(f"{r['name']:<{w}}  " + " ".join(cells))
+
+
+def _totals(totals):
     click.echo(f"{'format':<12} {'tensors':>8} {'parameters':>14} {'bytes':>12}")
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]["bytes"]):
         click.echo(f"{name:<12} {t['tensors']:>8} {t['elements']:>14,} {_human(t['bytes']):>12}")
     click.echo(f"{'total':<12} {sum(t['tensors'] for t in totals.values()):>8} "
                f"{sum(t['elements'] for t in totals.values()):>14,} "
                f"{_human(sum(t['bytes'] for t in totals.values())):>12}")
+
+
+def _inspect_artifact(path, as_json, rank, tensor_name, decode_to):
+    import numpy as np
+    from bloomery.core.artifact.reader import Artifact
+
+    art = Artifact.open(path)
+    if rank not in art.ranks:
+        raise click.UsageError(f"{path} holds ranks {art.ranks}; there is no rank {rank}")
+    tensors = art.tensors(rank)
+    if tensor_name is not None:
+        if tensor_name not in tensors:
+            raise click.UsageError(f"{path} rank {rank} has no tensor {tensor_name!r} (see `bloomery inspect {path}`)")
+        t = tensors[tensor_name]
+        return _show_one(t.name, t.format, t.shape, t.nbytes, (lambda: art.decode(tensor_name, rank)),
+                         decode_to if decode_to else None, as_json,
+                         {"rank": rank, "role": t.role, "cut": t.cut, "layout": t.layout, "sources": list(t.sources),
+                          "gguf": t.parts})
+    rows = [{"name": t.name, "format": t.format, "layout": t.layout, "role": t.role, "cut": t.cut,
+             "shape": list(t.shape), "bytes": t.nbytes, "sources": list(t.sources)}
+            for t in sorted(tensors.values(), key=lambda t: _natural(t.name))]
+    totals: dict = {}
+    for t in tensors.values():
+        row = totals.setdefault(t.format, {"tensors": 0, "elements": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["elements"] += int(np.prod(t.shape))
+        row["bytes"] += t.nbytes
+    md = art.metadata(rank)
+    ranks = [{"rank": r, "bytes": art.nbytes(r), "shards": [p.name for p in art.shards[r]]} for r in art.ranks]
+    if as_json:
+        click.echo(json.dumps({"artifact": str(path), "tp": art.tp, "rank": rank, "ranks": ranks,
+                               "architecture": md.get("general.architecture"), "tensors": rows, "totals": totals},
+                              indent=1))
+        return
+    _table(rows, ("format", "layout", "cut", "shape", "bytes"))
+    click.echo(f"\nartifact: {md.get('general.architecture')} {md.get('general.name', '')}, tp {art.tp}, "
+               f"showing rank {rank}")
+    _totals(totals)
+    for r in ranks:
+        click.echo(f"rank {r['rank']}: {_human(r['bytes'])} in {len(r['shards'])} shard(s)")
+
+
+def _natural(name: str):
+    import re
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _parse_size(text: str) -> int:
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*", text, re.I)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size such as 4GiB, 512MiB or 1000000")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
+
+
+def _levers_text() -> str:
+    from bloomery.core.levers import format_levers
+    return format_levers()
+
+
+@main.command(epilog=_verbatim("Levers (environment switches):\n\n" + _levers_text()))
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor-parallel ranks: one GGUF split per rank, each weight cut on its format's block "
+              "boundary (attention by whole KV head groups).")
+@click.option("--keep-bf16", is_flag=True, help="Keep BF16 tensors as BF16 (the default; refused next to "
+              "BLOOMERY_PREPARE_Q8=1).")
+@click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest GGUF file of a split.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@refusals
+def prepare(folder, out, tp, keep_bf16, max_shard_size, progress):
+    """Compile the checkpoint FOLDER (as ModelOpt exports it) into an artifact at OUT.
+
+    Every weight keeps its stored format (NVFP4, MXFP8, FP8, BF16, ...) and decodes to
+    exactly the checkpoint's value; only a lever rewrites anything. The artifact is a GGUF
+    split per rank (rank{r}-{i:05d}-of-{n:05d}.gguf) that gguf-py opens, with the tokenizer and
+    chat template inside, and SHA256SUMS. It is written beside OUT, re-read and verified, then
+    renamed into place: an interrupted or concurrent prepare leaves the previous artifact
+    whole. Whatever cannot be compiled is refused by name before anything is written.
+
+    \b
+    Examples:
+      bloomery prepare ./SmolLM2-135M-Instruct-NVFP4 ./smollm2.art
+      bloomery prepare ./Qwen3-30B-A3B-FP4 ./qwen3.art --tp 2
+      BLOOMERY_PREPARE_Q8=1 bloomery prepare ./bf16-model ./q8.art
+    """
+    import time
+
+    from bloomery.compiler.prepare import prepare as run_prepare
+
+    t0 = time.perf_counter()
+    pub = run_prepare(folder, out, tp=tp, keep_bf16=keep_bf16, max_shard_bytes=_parse_size(max_shard_size),
+                      progress=progress)
+    dt = time.perf_counter() - t0
+    click.echo(f"{pub.path}: {len(pub.files)} file(s), {_human(pub.nbytes)}, tp {tp}, {dt:.1f} s "
+               f"({pub.nbytes / dt / 1e6:.0f} MB/s)", err=True)
+
+
+@main.command()
+def levers():
+    """The levers: environment switches that change what bloomery does, with their measured cost."""
+    click.echo(_levers_text(), nl=False)
 
 
 if __name__ == "__main__":

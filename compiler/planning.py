@@ -64,7 +64,7 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
                                  shape=_rank_shape(shape, s.rule.cut, tp, rank, unit),
                                  optional=optional, sources=s.hf, cut=s.rule.cut,
                                  produce=slicing.producer(fmt, qts, s.rule.cut, rank, tp, s.rule.experts is not None,
-                                                          fmt_out != fmt.name, f"{where}: {s.name}", shape == (), unit))
+                                                          fmt_out != fmt.name, f"{where}: {s.name}", shape == (1,), unit))
                    for s, (fmt, fmt_out, shape, optional, qts, unit) in zip(slots, rows)]
         out.append(RankPlan(rank, tp, planned, _metadata(ckpt, spec, values, tp, rank, q8)))
     return out
@@ -87,7 +87,7 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
                                      f"{qt.name!r} is {qt.format.name} with parts {sorted(qt.sources)}.")
     want = tuple(int(e(s.env)) for e in s.rule.shape)
     for qt in qts:
-        if tuple(qt.shape) != want and not (want == () and int(np.prod(qt.shape)) == 1):   # []: one value
+        if tuple(qt.shape) != want and not (want == (1,) and int(np.prod(qt.shape)) == 1):   # [1]: one value
             exprs = ", ".join(e.text for e in s.rule.shape)
             raise TensorShapeMismatch(f"{qt.where()}: artifact tensor {s.name!r} (role {s.rule.role}, {fmt.name}) "
                                       f"has logical shape {list(qt.shape)}; the {s.rule.hf!r} template expects "

@@ -97,8 +97,8 @@ def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, s
                     out[k][i] = v
         if q8:
             return formats.get("q8_0").encode(fmt.decode(out, where))
-        if scalar:                                # a one-value tensor planned as shape ()
-            return {k: np.asarray(v).reshape(()) for k, v in out.items()}
+        if scalar:                                # a one-value tensor (stored as [] or [1]) planned as [1]
+            return {k: np.asarray(v).reshape((1,)) for k, v in out.items()}
         return out
 
     return produce

@@ -423,7 +423,7 @@ def test_kv_cache_scales_planned(tmp_path, rng):
     ranks = plan(ck, tp=2, env={})
     by = {t.name: t for t in ranks[0].tensors}
     k = by["blk.1.attn_k_scale"]
-    assert (k.format, k.shape, k.cut, k.sources) == ("f32", (), "replicated", ("model.layers.1.self_attn.k_proj.k_scale",))
+    assert (k.format, k.shape, k.cut, k.sources) == ("f32", (1,), "replicated", ("model.layers.1.self_attn.k_proj.k_scale",))
     assert ranks[0].metadata["bloomery.kv_cache_quant"] is True
     for r in ranks:
         v = next(t for t in r.tensors if t.name == "blk.0.attn_v_scale").produce()["weight"]
