@@ -3,12 +3,12 @@ subprocess (kill, concurrency and RSS tests).
 
     python tests/artifact_driver.py OUT --tensors N --mb M [--tp T] [--seed S] [--max-shard MB]
 
-prints 'ok <ru_maxrss KiB> <seconds>' when done."""
+prints 'ok <peak RSS (VmHWM) KiB> <seconds>' when done."""
 
 from __future__ import annotations
 
 import argparse
-import resource
+import re
 import sys
 import time
 from pathlib import Path
@@ -91,7 +91,9 @@ def main():
     publish(a.out, plans(a.tensors, a.mb, a.tp, a.seed, tuple(a.formats.split(","))),
             tokenizer_json='{"model": {}}', chat_template="{{ messages }}",
             max_shard_bytes=int(a.max_shard * 1e6), progress=False)
-    print("ok", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, f"{time.perf_counter() - t0:.2f}", flush=True)
+    # VmHWM: this process's own peak (ru_maxrss would carry the forking parent's over exec)
+    hwm = re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)
+    print("ok", hwm, f"{time.perf_counter() - t0:.2f}", flush=True)
 
 
 if __name__ == "__main__":
