@@ -37,6 +37,8 @@ def main():
     \b
     bloomery inspect <folder|artifact>     what a checkpoint or an artifact holds
     bloomery prepare <folder> <out>        compile a checkpoint into an artifact
+    bloomery run <artifact> --prompt TEXT  generate text (NumPy executor on the CPU)
+    bloomery logits <artifact> --ids F     teacher-forced logits of a token-id list
     bloomery levers                        the environment switches and their cost
     """
 
@@ -69,8 +71,10 @@ def _is_artifact(path: Path) -> bool:
 @click.option("--decode", "decode_to", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --tensor: write its decoded float32 values to this .npy file ([out, in]; routed "
               "experts [expert, out, in]).")
+@click.option("--plan", "show_plan", is_flag=True, help="Artifact: print the execution plan of --rank (buffers "
+              "and the decode / prefill op lists; with --json, the plan's JSON).")
 @refusals
-def inspect(path, as_json, rank, tensor_name, decode_to):
+def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
     """Show what PATH holds: a checkpoint folder or a bloomery artifact.
 
     A checkpoint folder: each weight with its resolved stored format, shape, bytes and
@@ -87,9 +91,14 @@ def inspect(path, as_json, rank, tensor_name, decode_to):
       bloomery inspect ./ckpt --json | jq '.totals'
       bloomery inspect ./artifact --rank 1
       bloomery inspect ./artifact --tensor blk.0.attn_q --rank 1 --decode q.npy
+      bloomery inspect ./artifact --plan --rank 1
     """
     if decode_to is not None and tensor_name is None:
         raise click.UsageError("--decode needs --tensor NAME")
+    if show_plan:
+        if not _is_artifact(path):
+            raise click.UsageError(f"--plan applies to an artifact; {path} is a checkpoint folder")
+        return _inspect_plan(path, rank or 0, as_json)
     if _is_artifact(path):
         return _inspect_artifact(path, as_json, rank or 0, tensor_name, decode_to)
     if rank is not None:
@@ -200,6 +209,38 @@ def _inspect_artifact(path, as_json, rank, tensor_name, decode_to):
         click.echo(f"rank {r['rank']}: {_human(r['bytes'])} in {len(r['shards'])} shard(s)")
 
 
+def _inspect_plan(path, rank, as_json):
+    from bloomery.core import plan as P
+    from bloomery.core.artifact.reader import Artifact
+    from bloomery.runtime.engine import read_plans
+
+    art = Artifact.open(path)
+    if rank not in art.ranks:
+        raise click.UsageError(f"{path} holds ranks {art.ranks}; there is no rank {rank}")
+    plan = read_plans(art)[rank]
+    if as_json:
+        click.echo(json.dumps(plan, indent=1, sort_keys=True))
+        return
+    click.echo(f"plan v{plan['version']}: {plan['family']}, rank {plan['rank']} of tp {plan['tp']}, "
+               f"model {json.dumps(plan['model'], sort_keys=True)}")
+    click.echo("\nbuffers (symbols: slots, ubatch, ctx bound at load; rows = the program's rows):")
+    w = max(len(n) for n in plan["buffers"])
+    for kind in P.KINDS:
+        for n, b in sorted(plan["buffers"].items()):
+            if b["kind"] == kind:
+                click.echo(f"  {n:<{w}}  {kind:<7} {b['dtype']}  [{', '.join(str(d) for d in b['shape'])}]")
+    for prog, body in plan["programs"].items():
+        click.echo(f"\n{prog} (rows = {body['rows']}): {len(body['ops'])} ops")
+        for i, op in enumerate(body["ops"]):
+            sig = P.OPS[op["op"]]
+            ins = ", ".join(op[k] for k in (*sig.reads, *sig.state))
+            outs = ", ".join(op[k] for k in sig.writes)
+            wts = ", ".join(op[k] for k in sig.weights)
+            attrs = " ".join(f"{k}={op[k]}" for k in (*sig.attrs, *sig.optional) if k in op)
+            click.echo(f"  {i:>4} {op['op']:<11} {ins} -> {outs}" + (f"  [{wts}]" if wts else "")
+                       + (f"  {attrs}" if attrs else ""))
+
+
 def _natural(name: str):
     import re
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
@@ -261,6 +302,96 @@ def prepare(folder, out, tp, keep_bf16, max_shard_size, progress):
 def levers():
     """The levers: environment switches that change what bloomery does, with their measured cost."""
     click.echo(_levers_text(), nl=False)
+
+
+_DEVICE = click.Choice(["auto", "cpu", "cuda"])
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", "-p", required=True, help="The user's message (through the chat template unless --raw).")
+@click.option("--raw", is_flag=True, help="Tokenize the prompt as is, without the chat template.")
+@click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="0: greedy (argmax).")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off.")
+@click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (with --temperature > 0).")
+@click.option("--ctx-size", "-c", type=click.IntRange(1), default=None,
+              help="Context (KV cache) length  [default: the model's, at most 4096].")
+@click.option("--device", type=_DEVICE, default="auto", show_default=True,
+              help="auto: cuda when a GPU and CuPy are present (not implemented yet: runs on the CPU).")
+@click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True,
+              help="CPU BLAS threads (one is fastest on a shared machine: runtime/blas.py).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, counts, timings) "
+              "instead of streaming.")
+@refusals
+def run(artifact, prompt, raw, max_tokens, temperature, top_k, top_p, seed, ctx_size, device, threads, as_json):
+    """Generate a reply from ARTIFACT (from `bloomery prepare`) to --prompt.
+
+    The tokenizer and chat template come from the artifact. The text streams to stdout as
+    tokens decode; generation stops at EOS (bloomery.eos_token_ids) or --max-tokens. Prompt
+    and decode speed go to stderr at the end.
+
+    \b
+    Examples:
+      bloomery run ./smollm2.art --prompt "What is the capital of France?"
+      bloomery run ./smollm2.art -p "Once upon a time" --raw --temperature 0.8 --seed 1
+      bloomery run ./smollm2.art -p "Hi" --json | jq .text
+    """
+    import time
+
+    from bloomery.runtime import Engine, generate
+
+    t0 = time.perf_counter()
+    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads)
+    load_s = time.perf_counter() - t0
+
+    def emit(piece):
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+
+    g = generate(eng, prompt, raw=raw, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 seed=seed, on_text=None if as_json else emit)
+    if as_json:
+        click.echo(json.dumps({**g.to_json(), "load_s": round(load_s, 3)}))
+        return
+    click.echo()
+    click.echo(f"[{g.device}, tp {eng.art.tp}] load {load_s:.2f} s | prompt {len(g.prompt_ids)} tokens, "
+               f"{g.prompt_tps:.1f} tok/s | decode {len(g.token_ids)} tokens, {g.decode_tps:.1f} tok/s "
+               f"| stop: {g.stop}", err=True)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--ids", "ids_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSON file holding a list of token ids.")
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write the logits (.npy, float32 [n, vocab]).")
+@click.option("--device", type=_DEVICE, default="auto", show_default=True)
+@click.option("--ubatch", type=click.IntRange(1), default=64, show_default=True, help="Rows per prompt chunk.")
+@click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True, help="CPU BLAS threads.")
+@refusals
+def logits(artifact, ids_file, out_file, device, ubatch, threads):
+    """Teacher-forced logits of a token-id list: row i is the distribution after ids[0..i].
+
+    \b
+    Example:
+      echo '[1, 504, 3458]' > ids.json && bloomery logits ./smollm2.art --ids ids.json --out x.npy
+    """
+    import numpy as np
+
+    from bloomery.runtime import logits as run_logits
+
+    try:
+        ids = json.loads(ids_file.read_text())
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(f"{ids_file} is not JSON ({e})", param_hint="--ids") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise click.BadParameter(f"{ids_file} must hold a non-empty JSON list of integers", param_hint="--ids")
+    x = run_logits(artifact, ids, device=device, ubatch=ubatch, threads=threads)
+    np.save(out_file, x)
+    click.echo(f"{out_file}: float32 {list(x.shape)}", err=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from bloomery.compiler import planning, publish
+from bloomery.compiler import lower, planning, publish
 from bloomery.compiler.checkpoint import Checkpoint
 from bloomery.compiler.quant_config import read_json
 from bloomery.compiler.writer import DEFAULT_MAX_SHARD_BYTES
@@ -50,6 +50,7 @@ def prepare(folder, out, *, tp: int = 1, keep_bf16: bool = False, env: Mapping[s
     folder = Path(folder)
     ckpt = Checkpoint.open(folder)
     ranks = planning.plan(ckpt, tp=tp, env=env, keep_bf16=keep_bf16)
+    lower.plan_metadata(ranks)           # the execution plan, per rank (compiler/lower.py)
     tok_json, template = tokenizer_files(folder)
     return publish.publish(out, ranks, source_metadata(ckpt), tokenizer_json=tok_json, chat_template=template,
                            max_shard_bytes=max_shard_bytes, progress=progress)

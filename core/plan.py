@@ -1,0 +1,129 @@
+"""The execution plan's schema, shared by the compiler (compiler/lower.py writes it) and the
+runtime (runtime/ executes it); docs/plan.md describes it in prose.
+
+A plan is one JSON object per rank, stored under metadata key `bloomery.plan`:
+
+    {"version": 1, "family": "llama", "tp": 2, "rank": 0,
+     "model": {"vocab_size": ..., "context_length": ...},
+     "buffers": {name: {"shape": [int | symbol, ...], "dtype": "f32" | "i32",
+                        "kind": "input" | "output" | "state" | "scratch"}},
+     "programs": {"decode": {"rows": "slots", "ops": [op, ...]},
+                  "prefill": {"rows": "ubatch", "ops": [op, ...]}}}
+
+An op is a flat object: {"op": name, <buffer keys>: buffer, <weight keys>: tensor, <attrs>}.
+OPS below names, per op, which keys are buffers read, buffers written, buffers read and
+written in place (state), weights (artifact tensor names) and attributes. Symbols in shapes:
+slots, ubatch, ctx (bound at load) and rows (the running program's row count).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import BloomeryError
+
+KEY = "bloomery.plan"
+VERSION = 1
+SYMBOLS = ("slots", "ubatch", "ctx", "rows")
+DTYPES = ("f32", "i32")
+KINDS = ("input", "output", "state", "scratch")
+PROGRAMS = {"decode": "slots", "prefill": "ubatch"}
+
+
+class PlanInvalid(BloomeryError):
+    """A plan breaks its schema (unknown op, undeclared buffer, missing key)."""
+
+
+@dataclass(frozen=True)
+class OpSig:
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    state: tuple[str, ...] = ()          # read and written in place, kept across steps
+    weights: tuple[str, ...] = ()        # artifact tensor names
+    attrs: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()       # attrs that may be absent
+    collective: bool = False
+
+
+OPS: dict[str, OpSig] = {
+    "embed": OpSig(reads=("ids",), writes=("out",), weights=("weight",)),
+    "rmsnorm": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("eps", "group")),
+    "linear": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("format", "pre_quant_scale")),
+    "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta")),
+    "attention": OpSig(reads=("q", "k", "v", "pos", "slot"), writes=("out",), state=("cache_k", "cache_v"),
+                       attrs=("heads", "kv_heads", "head_dim", "scale", "mode")),
+    "swiglu": OpSig(reads=("gate", "up"), writes=("out",)),
+    "add": OpSig(reads=("a", "b"), writes=("out",)),
+    "moe_router": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight",), attrs=("top_k", "norm")),
+    "moe_experts": OpSig(reads=("x", "ids", "weights"), writes=("out",), weights=("gate", "up", "down"),
+                         attrs=("experts", "top_k")),
+    "logits": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("vocab",), optional=("rows",)),
+    "argmax": OpSig(reads=("x",), writes=("out",)),
+    "all_reduce": OpSig(reads=("x",), writes=("out",), collective=True),
+    "all_gather": OpSig(reads=("x",), writes=("out",), attrs=("sizes",), collective=True),
+}
+
+
+def dumps(plan: dict) -> str:
+    """The stored form: sorted keys, compact, so the same plan gives the same bytes."""
+    return json.dumps(plan, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def loads(text: str, where: str = "plan") -> dict:
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanInvalid(f"{where}: not JSON ({e})") from None
+    validate(plan, where)
+    return plan
+
+
+def buffers_of(op: dict) -> list[str]:
+    sig = OPS[op["op"]]
+    return [op[k] for k in (*sig.reads, *sig.state, *sig.writes)]
+
+
+def validate(plan: dict, where: str = "plan") -> None:
+    """Refuse a plan that breaks the schema, naming the op and the key."""
+    if plan.get("version") != VERSION:
+        raise PlanInvalid(f"{where}: plan version {plan.get('version')!r}, this bloomery reads {VERSION}; "
+                          f"re-prepare the artifact")
+    bufs = plan.get("buffers", {})
+    for name, b in bufs.items():
+        if b.get("dtype") not in DTYPES or b.get("kind") not in KINDS:
+            raise PlanInvalid(f"{where}: buffer {name!r} has dtype {b.get('dtype')!r} / kind {b.get('kind')!r}")
+        for d in b.get("shape", ()):
+            if not (isinstance(d, int) or d in SYMBOLS):
+                raise PlanInvalid(f"{where}: buffer {name!r} has shape entry {d!r} (an int or one of {SYMBOLS})")
+    for prog in PROGRAMS:
+        if prog not in plan.get("programs", {}):
+            raise PlanInvalid(f"{where}: program {prog!r} is missing")
+        for i, op in enumerate(plan["programs"][prog]["ops"]):
+            at = f"{where}: {prog} op {i} ({op.get('op')})"
+            sig = OPS.get(op.get("op"))
+            if sig is None:
+                raise PlanInvalid(f"{at}: unknown op; this runtime knows {', '.join(OPS)}")
+            need = (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.attrs)
+            missing = [k for k in need if k not in op]
+            extra = [k for k in op if k != "op" and k not in need and k not in sig.optional]
+            if missing or extra:
+                raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
+            for b in buffers_of(op):
+                if b not in bufs:
+                    raise PlanInvalid(f"{at}: buffer {b!r} is not declared")
+
+
+def shape(buf: dict, symbols: dict[str, int]) -> tuple[int, ...]:
+    """A buffer's shape with its symbols bound."""
+    return tuple(d if isinstance(d, int) else int(symbols[d]) for d in buf["shape"])
+
+
+def weights_of(plan: dict) -> list[str]:
+    """Every artifact tensor the plan reads, in first-use order."""
+    seen: dict[str, None] = {}
+    for prog in PROGRAMS:
+        for op in plan["programs"][prog]["ops"]:
+            for k in OPS[op["op"]].weights:
+                seen.setdefault(op[k], None)
+    return list(seen)

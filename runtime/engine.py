@@ -1,0 +1,149 @@
+"""A loaded artifact ready to run: its plans (one per rank), weights, executor and KV-cache slots.
+
+    eng = Engine("art/", ctx=2048)            # device: "cpu" | "auto" (cuda is refused for now)
+    logits = eng.prefill(ids)                  # [n, vocab] float32, appended to slot 0's sequence
+    logits, next_ids = eng.decode([tok])       # one row per slot
+    eng.reset()
+
+The runtime's only way into the artifact is the artifact reader; the plan says everything
+model-specific, so this file knows no model family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bloomery.core import plan as P
+from bloomery.core.artifact import Artifact
+
+from . import blas
+from . import device as devices
+from .errors import NoPlan, PlanMismatch, PromptTooLong, TokenOutOfVocab
+from .numpy_executor import NumpyExecutor
+from .weights import CpuWeights
+
+DEFAULT_CTX = 4096
+DEFAULT_UBATCH = 64
+
+
+def read_plans(art: Artifact) -> list[dict]:
+    plans = []
+    for r in art.ranks:
+        text = art.metadata(r).get(P.KEY)
+        if text is None:
+            raise NoPlan(f"{art.path}: rank {r} holds no execution plan ({P.KEY}); it was prepared by an older "
+                         f"bloomery: re-prepare it (bloomery prepare <checkpoint> {art.path})")
+        plans.append(P.loads(text, f"{art.path}: rank {r}: {P.KEY}"))
+    return plans
+
+
+class Engine:
+    def __init__(self, artifact, *, device: str = "cpu", ctx: int | None = None, slots: int = 1,
+                 ubatch: int = DEFAULT_UBATCH, threads: int | None = 1):
+        self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact))
+        self.device = devices.resolve(device)
+        if threads is not None:
+            blas.set_threads(threads)          # runtime/blas.py: why one thread by default
+        self.plans = read_plans(self.art)
+        model = self.plans[0]["model"]
+        self.vocab_size = int(model["vocab_size"])
+        self.context_length = int(model["context_length"])
+        self.ctx = int(ctx or min(self.context_length, DEFAULT_CTX))
+        if self.ctx < 1 or slots < 1 or ubatch < 1:
+            raise ValueError(f"ctx {self.ctx}, slots {slots} and ubatch {ubatch} must be positive")
+        self.slots, self.ubatch = slots, ubatch
+        shared: dict = {}
+        self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]
+        self._check_formats()
+        self.exec = NumpyExecutor(self.plans, self.weights, {"slots": slots, "ubatch": ubatch, "ctx": self.ctx})
+        self.lengths = np.zeros(slots, np.int64)
+        md = self.art.metadata(0)
+        self.eos_ids = [int(e) for e in md.get("bloomery.eos_token_ids", [])]
+        self.bos_id = md.get("tokenizer.ggml.bos_token_id")
+
+    def _check_formats(self) -> None:
+        """Each linear's declared format matches the artifact (a stale plan is refused by name)."""
+        for r, (p, w) in enumerate(zip(self.plans, self.weights)):
+            table = self.art.tensors(r)
+            for op in p["programs"]["decode"]["ops"]:
+                if op["op"] == "linear" and (table[op["weight"]].format != op["format"]
+                                             or (op["weight"] in w.pre_quant) != op["pre_quant_scale"]):
+                    raise PlanMismatch(f"{self.art.path}: rank {r}: the plan reads {op['weight']!r} as "
+                                       f"{op['format']}, the artifact holds {table[op['weight']].format}; "
+                                       f"re-prepare the artifact")
+
+    # -- state --------------------------------------------------------------------------------------
+    def reset(self, slot: int | None = None) -> None:
+        self.exec.reset(slot)
+        if slot is None:
+            self.lengths[:] = 0
+        else:
+            self.lengths[slot] = 0
+
+    def check_ids(self, ids: Sequence[int], what: str = "token ids") -> np.ndarray:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        bad = np.nonzero((a < 0) | (a >= self.vocab_size))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise TokenOutOfVocab(f"{what}: id {int(a[i])} at index {i} is outside the vocabulary "
+                                  f"[0, {self.vocab_size}) of {self.art.path}")
+        return a
+
+    # -- running ------------------------------------------------------------------------------------
+    def prefill(self, ids: Sequence[int], slot: int = 0, last_only: bool = False) -> np.ndarray:
+        """Appends ids to a slot's sequence in chunks of ubatch rows; the logits of every id
+        ([n, vocab]), or of the last only ([vocab])."""
+        a = self.check_ids(ids)
+        start = int(self.lengths[slot])
+        if start + a.size > self.ctx:
+            raise PromptTooLong(f"{a.size} tokens after {start} do not fit the context of {self.ctx} "
+                                f"(--ctx-size); the model's own context length is {self.context_length}")
+        u = self.ubatch
+        out = []
+        for c in range(0, a.size, u):
+            chunk = a[c:c + u]
+            n = chunk.size
+            tokens = np.zeros(u, np.int32)
+            tokens[:n] = chunk
+            pos = np.full(u, -1, np.int32)
+            pos[:n] = np.arange(start + c, start + c + n)
+            res = self.exec.run("prefill", {"tokens": tokens, "positions": pos, "slot_ids": np.full(u, slot, np.int32)})
+            if not last_only or c + u >= a.size:
+                out.append(res["logits"][:n].copy())
+        self.lengths[slot] = start + a.size
+        if last_only:
+            return out[-1][-1]
+        return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
+
+    def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None):
+        """One step: tokens[s] appended to slot s (for every active slot). Returns the logits
+        [slots, vocab] and the greedy next ids [slots] (copies)."""
+        a = self.check_ids(tokens)
+        if a.size != self.slots:
+            raise ValueError(f"decode takes one token per slot ({self.slots}), got {a.size}")
+        act = np.ones(self.slots, bool) if active is None else np.asarray(active, bool)
+        full = act & (self.lengths >= self.ctx)
+        if full.any():
+            raise PromptTooLong(f"slot {int(np.nonzero(full)[0][0])} is full: the context holds {self.ctx} "
+                                f"tokens (--ctx-size)")
+        pos = np.where(act, self.lengths, -1).astype(np.int32)
+        res = self.exec.run("decode", {"tokens": a.astype(np.int32), "positions": pos,
+                                       "slot_ids": np.arange(self.slots, dtype=np.int32)})
+        self.lengths[act] += 1
+        return res["logits"].copy(), res["next_token"].astype(np.int64)
+
+
+def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFAULT_UBATCH,
+           ctx: int | None = None, threads: int | None = 1) -> np.ndarray:
+    """Teacher-forced logits [n, vocab] float32 of a token-id list (row i predicts ids[i+1]).
+    `artifact`: a path, an Artifact, or a loaded Engine (reused: its slot 0 is reset)."""
+    ids = list(ids)
+    if isinstance(artifact, Engine):
+        eng = artifact
+        eng.reset(0)
+    else:
+        eng = Engine(artifact, device=device, ctx=ctx or max(len(ids), 1), ubatch=ubatch, threads=threads)
+    return eng.prefill(ids)

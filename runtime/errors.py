@@ -1,0 +1,27 @@
+"""Named refusals of the runtime (each a BloomeryError: the command line prints one line and exits non-zero)."""
+
+from bloomery.core.errors import BloomeryError
+
+
+class RuntimeRefusal(BloomeryError):
+    """Base of the runtime's refusals."""
+
+
+class NoPlan(RuntimeRefusal):
+    """The artifact holds no execution plan (prepared before plans existed, or by another tool)."""
+
+
+class PlanMismatch(RuntimeRefusal):
+    """The plan and the artifact disagree (a weight missing or of another shape), or the ranks' plans differ."""
+
+
+class TokenOutOfVocab(RuntimeRefusal):
+    """A token id is outside [0, vocab_size)."""
+
+
+class PromptTooLong(RuntimeRefusal):
+    """The tokens do not fit the context (--ctx-size)."""
+
+
+class DeviceUnavailable(RuntimeRefusal):
+    """The requested device cannot run here (or its executor is not implemented yet)."""

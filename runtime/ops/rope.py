@@ -1,0 +1,27 @@
+"""rope: rotary embedding in HF's rotate_half convention on HF-layout heads (the halves of each
+head rotate together; bloomery does not permute q/k). inv_freq and angles in float32 as HF's
+default rope computes them: inv_freq = 1 / theta^(arange(0, d, 2) / d), angle = pos * inv_freq."""
+
+from functools import lru_cache
+
+import numpy as np
+
+
+@lru_cache(maxsize=None)
+def inv_freq(theta: float, dim: int) -> np.ndarray:
+    return (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+
+
+def cos_sin(pos: np.ndarray, theta: float, dim: int):
+    ang = np.maximum(pos, 0).astype(np.float32)[:, None] * inv_freq(theta, dim)[None, :]
+    return np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+
+def run(op, buf, w):
+    x = buf[op["x"]]
+    d, half = op["head_dim"], op["head_dim"] // 2
+    xr = x.reshape(x.shape[0], op["heads"], d)
+    cos, sin = cos_sin(buf[op["pos"]], op["theta"], d)
+    x1, x2 = xr[..., :half], xr[..., half:]
+    y = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    buf[op["out"]][...] = y.reshape(x.shape)

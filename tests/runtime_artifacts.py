@@ -1,0 +1,37 @@
+"""Artifacts of the test checkpoints for the runtime tests, prepared once per test session into a
+temporary folder (removed at exit) and shared by test_runtime*.py and test_run_cli.py."""
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bloomery.compiler.prepare import prepare
+from bloomery.tools import models
+
+_ROOT: list[Path] = []
+_CACHE: dict = {}
+# what prepare refuses (tests/test_prepare.py REFUSED): no artifact to run
+REFUSED = {("tiny-llama/fp8_pb_wo", 2), ("tiny-llama/w4a8_nvfp4_fp8", 1), ("tiny-llama/w4a8_nvfp4_fp8", 2)}
+EXPORTS = [n for n in models.SPECS if n.startswith(("smollm2-135m/", "tiny-llama/", "tiny-qwen3_moe/"))]
+
+
+def need(name: str) -> Path:
+    if not models.is_built(name):
+        pytest.skip(f"{name} not built in {models.models_dir()} (run: make models)")
+    return models.model_dir(name)
+
+
+def artifact(name: str, tp: int = 1) -> Path:
+    """The artifact of test model `name` at tp, prepared on first use."""
+    if (name, tp) not in _CACHE:
+        folder = need(name)
+        if not _ROOT:
+            _ROOT.append(Path(tempfile.mkdtemp(prefix="bloomery-runtime-tests-")))
+            atexit.register(shutil.rmtree, _ROOT[0], True)
+        out = _ROOT[0] / f"{name.replace('/', '-')}-tp{tp}"
+        prepare(folder, out, tp=tp, progress=False)
+        _CACHE[(name, tp)] = out
+    return _CACHE[(name, tp)]
