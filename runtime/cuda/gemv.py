@@ -1,0 +1,279 @@
+"""Decode-time linear (GEMV, 1..8 activation rows) reading each weight in its artifact layout.
+
+    from bloomery.runtime.cuda import gemv
+    lin = gemv.Linear("nvfp4", (out, in), arrays)     # arrays: suffix -> cupy array, to_gguf's
+    y = lin(x)                                         # x cupy float32 [nb, in] (or [in]); y float32 [nb, out]
+    lin(x, y=y, accumulate=True)                       # y += W x (residual add fused)
+
+`arrays` are layout.to_gguf's arrays uploaded as they are (cupy.asarray of the mmapped GGUF
+data; uint8 block bytes / int8 / float32): no dequantized copy is made. Formats: nvfp4 (GGML
+NVFP4 blocks + scale_2, or the stored layout I8 nibbles + I8 E4M3 scales + scale_2 when the
+artifact has `scale`), mxfp8, fp8_tensor, fp8_channel, fp8_block128, bf16, f32, q8_0.
+x and y are float32 (activations are a few KB; float32 keeps the GPU equal to the NumPy
+executor's arithmetic); accumulation is float32 always.
+
+Every launch is asynchronous on the current CuPy stream and does no host synchronization or
+allocation when `y` is given, so a sequence of calls can be captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+try:                                    # importable without CuPy (CPU machines, test collection)
+    import cupy as cp
+except Exception:                        # pragma: no cover - depends on the machine
+    cp = None
+
+from .gemv_src import SOURCE
+
+FMT_ID = {"f32": 0, "bf16": 1, "fp8_tensor": 2, "fp8_channel": 3, "fp8_block128": 4, "mxfp8": 5,
+          "nvfp4_stored": 6}
+EPW = {"f32": 1, "bf16": 2, "fp8_tensor": 4, "fp8_channel": 4, "fp8_block128": 4, "mxfp8": 4,
+       "nvfp4_stored": 8}
+FORMATS = ("nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "bf16", "f32", "q8_0")
+BATCHES = (1, 2, 4, 8)
+MAX_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape: R output rows per CTA, T threads per CTA (multiple of 32, <= 256),
+    U chunks in flight per thread, WPC words per chunk (4: 16-byte loads; plain formats only)."""
+    R: int = 4
+    T: int = 128
+    U: int = 2
+    WPC: int = 4
+
+
+def kernel_kind(fmt: str, arrays: Mapping) -> str:
+    """The kernel family of a format as laid out in the artifact."""
+    if fmt == "nvfp4":
+        return "nvfp4_stored" if "scale" in arrays else "nvfp4_ggml"
+    if fmt not in FORMATS:
+        raise KeyError(f"gemv: no kernel for format {fmt!r}; known: {', '.join(FORMATS)}")
+    return fmt
+
+
+def kernel_name(kind: str, R: int, B: int, U: int, WPC: int = 4) -> str:
+    if kind == "nvfp4_ggml":
+        return f"gemv_nvfp4_ggml<{R}, {B}, {U}>"
+    if kind == "q8_0":
+        return f"gemv_q8_0<{R}, {B}, {U}>"
+    return f"gemv_plain<{FMT_ID[kind]}, {R}, {B}, {U}, {WPC}>"
+
+
+_MODULES: dict = {}
+_FUNCS: dict = {}
+OPTIONS = ("-std=c++17",)
+
+
+def compile_kernels(names, defines=()):
+    """Compile (NVRTC, one module) every kernel named in `names`; cached per process.
+    Returns {name: cupy.RawKernel}. defines: extra -D options (e.g. BLOOMERY_NA)."""
+    key_opts = tuple(f"-D{d}" for d in defines)
+    todo = [n for n in dict.fromkeys(names) if (n, key_opts) not in _FUNCS]
+    if todo:
+        opts = OPTIONS + key_opts          # CuPy adds -arch for the current device (sm_90 on the H200)
+        mod = cp.RawModule(code=SOURCE, options=opts, name_expressions=todo)
+        _MODULES[(tuple(todo), key_opts)] = mod
+        for n in todo:
+            _FUNCS[(n, key_opts)] = mod.get_function(n)
+    return {n: _FUNCS[(n, key_opts)] for n in names}
+
+
+def batch_bucket(nb: int) -> int:
+    if not 1 <= nb <= MAX_BATCH:
+        raise ValueError(f"gemv: {nb} activation rows; this kernel takes 1..{MAX_BATCH}")
+    return next(b for b in BATCHES if b >= nb)
+
+
+def supported(kind: str, out: int, inn: int) -> str | None:
+    """None when the kernels take this shape, else why not."""
+    if kind == "nvfp4_ggml":
+        return None if inn % 64 == 0 else "GGML NVFP4 needs in % 64 == 0"
+    if kind == "q8_0":
+        return None if inn % 32 == 0 else "Q8_0 needs in % 32 == 0"
+    if inn % EPW[kind]:
+        return f"{kind} needs in % {EPW[kind]} == 0 (one 4-byte word per thread step)"
+    if kind == "mxfp8" and inn % 32:
+        return "MXFP8 needs in % 32 == 0"
+    if kind == "nvfp4_stored" and inn % 16:
+        return "NVFP4 needs in % 16 == 0"
+    return None
+
+
+# Tuned on the H200 (tools/bench_kernels.py --sweep, 2026-11-30; docs/kernels.md): batch 1 takes the
+# measured best for the shapes that were swept, a rule drawn from them otherwise. Batches of 2..8 take
+# the rule the batch-8 column of docs/kernels.md was measured with (2 rows per CTA: registers).
+TUNED = {                        # (kind, out, in) -> batch-1 best of the R x T x U sweep (docs/kernels.md)
+    ("nvfp4_ggml", 576, 1536): Config(1, 256, 1, 1),
+    ("nvfp4_ggml", 1536, 576): Config(4, 128, 1, 1),
+    ("nvfp4_ggml", 49152, 576): Config(8, 128, 1, 1),
+    ("nvfp4_ggml", 4096, 4096): Config(4, 128, 1, 1),
+    ("nvfp4_ggml", 1024, 4096): Config(2, 256, 4, 1),
+    ("nvfp4_ggml", 14336, 4096): Config(4, 128, 1, 1),
+    ("nvfp4_ggml", 4096, 14336): Config(4, 256, 1, 1),
+    ("nvfp4_ggml", 128256, 4096): Config(4, 64, 1, 1),
+    ("nvfp4_stored", 576, 1536): Config(2, 64, 2, 4),
+    ("nvfp4_stored", 1536, 576): Config(2, 32, 1, 4),
+    ("nvfp4_stored", 49152, 576): Config(2, 32, 1, 4),
+    ("nvfp4_stored", 4096, 4096): Config(8, 128, 1, 4),
+    ("nvfp4_stored", 1024, 4096): Config(4, 128, 1, 4),
+    ("nvfp4_stored", 14336, 4096): Config(8, 64, 1, 4),
+    ("nvfp4_stored", 4096, 14336): Config(8, 128, 1, 4),
+    ("nvfp4_stored", 128256, 4096): Config(8, 64, 1, 4),
+    ("mxfp8", 576, 1536): Config(1, 128, 2, 4),
+    ("mxfp8", 1536, 576): Config(2, 128, 1, 4),
+    ("mxfp8", 49152, 576): Config(8, 64, 1, 4),
+    ("mxfp8", 4096, 4096): Config(4, 128, 1, 4),
+    ("mxfp8", 1024, 4096): Config(4, 256, 1, 4),
+    ("mxfp8", 14336, 4096): Config(8, 128, 1, 4),
+    ("mxfp8", 4096, 14336): Config(4, 128, 1, 4),
+    ("mxfp8", 128256, 4096): Config(8, 128, 1, 4),
+    ("fp8_tensor", 576, 1536): Config(2, 128, 1, 4),
+    ("fp8_tensor", 1536, 576): Config(4, 64, 1, 4),
+    ("fp8_tensor", 49152, 576): Config(8, 64, 1, 4),
+    ("fp8_tensor", 4096, 4096): Config(4, 128, 1, 4),
+    ("fp8_tensor", 1024, 4096): Config(4, 256, 1, 4),
+    ("fp8_tensor", 14336, 4096): Config(8, 64, 1, 4),
+    ("fp8_tensor", 4096, 14336): Config(4, 128, 1, 4),
+    ("fp8_tensor", 128256, 4096): Config(4, 128, 1, 4),
+    ("fp8_channel", 576, 1536): Config(1, 128, 1, 4),
+    ("fp8_channel", 1536, 576): Config(2, 128, 2, 4),
+    ("fp8_channel", 49152, 576): Config(8, 64, 1, 4),
+    ("fp8_channel", 4096, 4096): Config(4, 128, 1, 4),
+    ("fp8_channel", 1024, 4096): Config(4, 256, 1, 4),
+    ("fp8_channel", 14336, 4096): Config(8, 64, 1, 4),
+    ("fp8_channel", 4096, 14336): Config(4, 128, 1, 4),
+    ("fp8_channel", 128256, 4096): Config(8, 128, 1, 4),
+    ("fp8_block128", 576, 1536): Config(1, 128, 1, 4),
+    ("fp8_block128", 1536, 576): Config(2, 64, 1, 4),
+    ("fp8_block128", 49152, 576): Config(8, 64, 1, 4),
+    ("fp8_block128", 4096, 4096): Config(4, 128, 1, 4),
+    ("fp8_block128", 1024, 4096): Config(4, 256, 1, 4),
+    ("fp8_block128", 14336, 4096): Config(4, 128, 1, 4),
+    ("fp8_block128", 4096, 14336): Config(4, 128, 1, 4),
+    ("fp8_block128", 128256, 4096): Config(4, 128, 1, 4),
+    ("bf16", 576, 1536): Config(2, 256, 1, 4),
+    ("bf16", 1536, 576): Config(2, 128, 1, 4),
+    ("bf16", 49152, 576): Config(4, 128, 1, 4),
+    ("bf16", 4096, 4096): Config(2, 128, 1, 4),
+    ("bf16", 1024, 4096): Config(2, 256, 2, 4),
+    ("bf16", 14336, 4096): Config(4, 256, 1, 4),
+    ("bf16", 4096, 14336): Config(2, 128, 1, 4),
+    ("bf16", 128256, 4096): Config(2, 256, 1, 4),
+    ("f32", 576, 1536): Config(1, 256, 2, 4),
+    ("f32", 1536, 576): Config(2, 256, 1, 4),
+    ("f32", 49152, 576): Config(2, 64, 1, 4),
+    ("f32", 4096, 4096): Config(2, 128, 1, 4),
+    ("f32", 1024, 4096): Config(1, 256, 1, 4),
+    ("f32", 14336, 4096): Config(2, 256, 1, 4),
+    ("f32", 4096, 14336): Config(2, 256, 1, 4),
+    ("f32", 128256, 4096): Config(2, 128, 1, 4),
+    ("q8_0", 576, 1536): Config(1, 256, 4, 1),
+    ("q8_0", 1536, 576): Config(2, 256, 1, 1),
+    ("q8_0", 49152, 576): Config(2, 64, 1, 1),
+    ("q8_0", 4096, 4096): Config(2, 128, 1, 1),
+    ("q8_0", 1024, 4096): Config(1, 256, 4, 1),
+    ("q8_0", 14336, 4096): Config(2, 128, 1, 1),
+    ("q8_0", 4096, 14336): Config(2, 256, 1, 1),
+    ("q8_0", 128256, 4096): Config(4, 64, 4, 1),
+}
+
+
+def default_config(kind: str, out: int, inn: int, nb: int = 1) -> Config:
+    B = batch_bucket(nb)
+    if kind in ("nvfp4_ggml", "q8_0"):
+        nblk = inn // (64 if kind == "nvfp4_ggml" else 32)
+        if B == 1:
+            return TUNED.get((kind, out, inn)) or Config(R=4 if out >= 4096 else 2, T=256 if out <= 1024 else 128,
+                                                       U=1, WPC=1)
+        return Config(R=2, T=128 if nblk >= 32 else 64, U=1, WPC=1)
+    wpr = inn // EPW[kind]
+    WPC = 4 if wpr % 4 == 0 else 1
+    nch = wpr // WPC
+    if B == 1:
+        t = TUNED.get((kind, out, inn))
+        if t is not None and t.WPC == WPC:
+            return t
+        R = {"f32": 2, "bf16": 2, "nvfp4_stored": 8}.get(kind, 4)
+        T = 256 if out <= 1024 else 128 if nch >= 128 else 64 if nch >= 48 else 32
+        return Config(R=R, T=T, U=1, WPC=WPC)
+    return Config(R=2, T=128 if nch >= 512 else 64 if nch >= 64 else 32, U=1, WPC=WPC)
+
+
+class Linear:
+    """One weight matrix in its artifact layout on the device, with its kernel chosen."""
+
+    def __init__(self, fmt: str, shape, arrays: Mapping, config: Config | None = None, defines=()):
+        if cp is None:
+            raise RuntimeError("gemv.Linear needs CuPy and a CUDA GPU")
+        self.fmt = fmt
+        self.kind = kernel_kind(fmt, arrays)
+        self.out, self.inn = (int(shape[-2]), int(shape[-1]))
+        why = supported(self.kind, self.out, self.inn)
+        if why:
+            raise NotImplementedError(f"gemv {fmt} [{self.out}, {self.inn}]: {why}")
+        self.arrays = {k: cp.asarray(v) for k, v in arrays.items()}
+        self.config = config
+        self.defines = tuple(defines)
+        w = self.arrays["weight"]
+        self.w = w
+        self.s = None
+        self.sc = None
+        if self.kind in ("nvfp4_ggml", "nvfp4_stored"):
+            self.sc = self.arrays["scale_2"].astype(cp.float32, copy=False).reshape(-1)
+            if self.kind == "nvfp4_stored":
+                self.s = self.arrays["scale"]
+        elif self.kind in ("fp8_tensor", "fp8_channel"):
+            self.sc = self.arrays["scale"].astype(cp.float32, copy=False).reshape(-1)
+        elif self.kind in ("fp8_block128", "mxfp8"):
+            self.s = self.arrays["scale"]
+        self.nbytes = sum(int(a.nbytes) for k, a in self.arrays.items() if k in ("weight", "scale", "scale_2"))
+        self._kern = {}
+
+    def kernel(self, nb: int):
+        B = batch_bucket(nb)
+        if B not in self._kern:
+            c = self.config or default_config(self.kind, self.out, self.inn, nb)
+            name = kernel_name(self.kind, c.R, B, c.U, c.WPC)
+            self._kern[B] = (compile_kernels([name], self.defines)[name], c)
+        return self._kern[B]
+
+    def __call__(self, x, y=None, accumulate: bool = False):
+        squeeze = x.ndim == 1
+        x2 = x.reshape(1, -1) if squeeze else x
+        nb = x2.shape[0]
+        if x2.dtype != cp.float32 or not x2.flags.c_contiguous or x2.shape[1] != self.inn:
+            raise ValueError(f"gemv: x must be C-contiguous float32 [nb, {self.inn}], got {x2.dtype}{list(x2.shape)}")
+        if y is None:
+            if accumulate:
+                raise ValueError("gemv: accumulate=True needs y")
+            y = cp.empty((nb, self.out), dtype=cp.float32)
+        elif y.dtype != cp.float32 or not y.flags.c_contiguous or y.size != nb * self.out:
+            raise ValueError(f"gemv: y must be C-contiguous float32 with {nb}x{self.out} elements")
+        self.launch(x2, y, nb, accumulate)
+        return y.reshape(self.out) if squeeze else y
+
+    def launch(self, x, y, nb: int, accumulate: bool = False):
+        """Raw launch, no checks (x, y device arrays as in __call__)."""
+        kern, c = self.kernel(nb)
+        grid = (math.ceil(self.out / c.R),)
+        i32 = cp.int32
+        if self.kind == "nvfp4_ggml":
+            args = (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
+        elif self.kind == "q8_0":
+            args = (self.w, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
+        else:
+            s = self.s if self.s is not None else self.w     # unused pointer slot
+            sc = self.sc if self.sc is not None else x
+            args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
+        kern(grid, (c.T,), args)
+
+
+def gemv(fmt: str, shape, arrays: Mapping, x, y=None, accumulate: bool = False, config: Config | None = None):
+    """One-shot y = W x (+ y): builds a Linear (compiles once per kernel) and calls it."""
+    return Linear(fmt, shape, arrays, config)(x, y, accumulate)

@@ -1,0 +1,379 @@
+"""CUDA C++ source of the decode GEMV kernels (compiled by NVRTC through cupy.RawModule).
+
+Kept as a Python string so it ships inside the package with no package-data rule.
+See docs/kernels.md for the design and the measurements.
+
+y[b, row] = (add ? y[b, row] : 0) + sum_k x[b, k] * W[row, k], b < nb <= BMAX.
+x, y: float32, row-major [nb, in] / [nb, out]. Accumulation: float32.
+
+One CTA computes R consecutive output rows; its threads split the row's K range
+(consecutive threads read consecutive 16-byte chunks: coalesced), each thread keeps
+R x BMAX float32 partial sums (x is loaded once per chunk and reused for the R rows),
+then a warp-shuffle + shared-memory reduction. U chunks per thread are loaded before
+any is used (bytes in flight).
+
+Dequantization (values exact in float32):
+  FP8 E4M3 (all FP8 formats, MXFP8): cvt.rn.f16x2.e4m3x2 (sm_89+), then f16 -> f32.
+  E2M1 (NVFP4): each nibble s.e1.e0.m becomes the E4M3 byte s000.0e1e0m.00 = e2m1 * 2^-6
+      (E4M3's subnormals line up with E2M1's), then as FP8; the 2^6 goes into scale_2.
+  BF16: a shift / a mask. Q8_0: int8 through the 2^23 magic (PRMT + FADD).
+Block scales multiply a per-block partial sum (one FMA per block and batch row).
+"""
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_FP8T 2
+#define FMT_FP8C 3
+#define FMT_FP8B128 4
+#define FMT_MXFP8 5
+#define FMT_NVFP4S 6
+
+__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
+  u32 r; u16 v = (u16)v16;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
+  u16 lo, hi;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+}
+// 4 E4M3 bytes (byte i = element i) -> 4 floats
+__device__ __forceinline__ void e4m3x4(u32 w, float *v) {
+  h2f2(e4m3x2_h2(w & 0xFFFFu), v[0], v[1]);
+  h2f2(e4m3x2_h2(w >> 16), v[2], v[3]);
+}
+__device__ __forceinline__ float e4m3_1(u32 byte) {
+  float a, b; h2f2(e4m3x2_h2(byte & 0xFFu), a, b); return a;
+}
+// E2M1 nibbles in the low half of each byte of (w >> sh) -> E4M3 bytes (value * 2^-6)
+__device__ __forceinline__ u32 lo_nib_e4m3(u32 w) {   // low nibbles of w's bytes
+  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ u32 hi_nib_e4m3(u32 w) {   // high nibbles of w's bytes
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+__device__ __forceinline__ float e8m0_f(u32 e) {
+  return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
+}
+__device__ __forceinline__ float4 ldx4(const float *p) { return __ldg(reinterpret_cast<const float4 *>(p)); }
+__device__ __forceinline__ float2 ldx2(const float *p) { return __ldg(reinterpret_cast<const float2 *>(p)); }
+
+__device__ __forceinline__ uint4 ldw4(const u32 *p) {
+#ifdef BLOOMERY_NA
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+#else
+  return __ldg(reinterpret_cast<const uint4 *>(p));
+#endif
+}
+
+template <int R, int BMAX>
+__device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__restrict__ y, const float *rs,
+                                             int row0, int out, int nb, int add) {
+  __shared__ float red[8][R * BMAX];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) {
+      float v = acc[r][b];
+#pragma unroll
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) red[warp][r * BMAX + b] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * BMAX; i += blockDim.x) {
+    const int r = i / BMAX, b = i % BMAX, row = row0 + r;
+    if (row < out && b < nb) {
+      float v = 0.f;
+      for (int w = 0; w < nw; w++) v += red[w][i];
+      v *= rs[r];
+      float *p = y + (size_t)b * out + row;
+      *p = add ? *p + v : v;
+    }
+  }
+}
+
+// ---- plain row-major word formats: F32, BF16, FP8 (tensor/channel/block128), MXFP8, NVFP4 stored ----
+// W: u32 words, a row = in / EPW words; a chunk = WPC words (WPC 4: 16-byte loads, needs words/row % 4 == 0).
+// S: block scales (MXFP8 u8 [out, in/32]; NVFP4 stored u8 E4M3 [out, in/16]; FP8 block128 f32 [cdiv(out,128), cdiv(in,128)]);
+// sc: f32 per-tensor (FP8T scale, NVFP4 scale_2) or per-row (FP8C) scale.
+template <int FMT> struct EPWof { static constexpr int v = FMT == FMT_F32 ? 1 : FMT == FMT_BF16 ? 2 : FMT == FMT_NVFP4S ? 8 : 4; };
+
+// x values of one word's elements (EPW floats, in the word's element order) for every batch row
+template <int FMT, int BMAX>
+__device__ __forceinline__ void load_xw(const float *__restrict__ x, int k, int in, int nb, float (&xw)[BMAX][EPWof<FMT>::v]) {
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) {
+    if (b < nb) {
+      const float *px = x + (size_t)b * in + k;
+      if constexpr (FMT == FMT_F32) { xw[b][0] = __ldg(px); }
+      else if constexpr (FMT == FMT_BF16) { const float2 v = ldx2(px); xw[b][0] = v.x; xw[b][1] = v.y; }
+      else if constexpr (FMT == FMT_NVFP4S) {       // order: elements 0,2,4,6 then 1,3,5,7
+        const float4 a = ldx4(px), c = ldx4(px + 4);
+        xw[b][0] = a.x; xw[b][1] = a.z; xw[b][2] = c.x; xw[b][3] = c.z;
+        xw[b][4] = a.y; xw[b][5] = a.w; xw[b][6] = c.y; xw[b][7] = c.w;
+      } else { const float4 a = ldx4(px); xw[b][0] = a.x; xw[b][1] = a.y; xw[b][2] = a.z; xw[b][3] = a.w; }
+    } else {
+#pragma unroll
+      for (int e = 0; e < EPWof<FMT>::v; e++) xw[b][e] = 0.f;
+    }
+  }
+}
+
+// one word's EPW values (unscaled), in load_xw's order
+template <int FMT>
+__device__ __forceinline__ void dequant_word(u32 w, float *v) {
+  if constexpr (FMT == FMT_F32) { v[0] = __uint_as_float(w); }
+  else if constexpr (FMT == FMT_BF16) { v[0] = __uint_as_float(w << 16); v[1] = __uint_as_float(w & 0xFFFF0000u); }
+  else if constexpr (FMT == FMT_NVFP4S) { e4m3x4(lo_nib_e4m3(w), v); e4m3x4(hi_nib_e4m3(w), v + 4); }
+  else { e4m3x4(w, v); }
+}
+
+template <int FMT, int R, int BMAX, int U, int WPC>
+__global__ void gemv_plain(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
+                           const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add) {
+  constexpr int EPW = EPWof<FMT>::v;
+  constexpr bool BLOCKED = FMT == FMT_FP8B128 || FMT == FMT_MXFP8 || FMT == FMT_NVFP4S;
+  constexpr int SPW = FMT == FMT_NVFP4S ? 2 : FMT == FMT_MXFP8 ? 8 : 32;     // words per block scale
+  constexpr int NS = BLOCKED ? (WPC + SPW - 1) / SPW : 1;                     // block scales per chunk
+  const int wpr = in / EPW, nch = wpr / WPC;
+  const int row0 = blockIdx.x * R;
+  float acc[R][BMAX];
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
+  int rowc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+
+  for (int c0 = threadIdx.x; c0 < nch; c0 += U * blockDim.x) {
+    u32 wv[U][R][WPC];
+    u32 sv[U][R][NS];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * blockDim.x;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const u32 *p = W + (size_t)rowc[r] * wpr + (size_t)c * WPC;
+        if (c < nch) {
+          if constexpr (WPC == 4) { uint4 q = ldw4(p); wv[u][r][0] = q.x; wv[u][r][1] = q.y; wv[u][r][2] = q.z; wv[u][r][3] = q.w; }
+          else {
+#pragma unroll
+            for (int i = 0; i < WPC; i++) wv[u][r][i] = __ldg(p + i);
+          }
+          if constexpr (BLOCKED) {                 // block scales loaded with the weights (no exposed latency)
+#pragma unroll
+            for (int j = 0; j < NS; j++) {
+              const int sw = (c * WPC) / SPW + j;
+              if constexpr (FMT == FMT_MXFP8) sv[u][r][j] = __ldg((const u8 *)S + (size_t)rowc[r] * (in / 32) + sw);
+              else if constexpr (FMT == FMT_NVFP4S) sv[u][r][j] = __ldg((const u8 *)S + (size_t)rowc[r] * (in / 16) + sw);
+              else sv[u][r][j] = __float_as_uint(__ldg((const float *)S + (size_t)(rowc[r] / 128) * ((in + 127) / 128) + sw));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < WPC; i++) wv[u][r][i] = 0u;
+#pragma unroll
+          for (int j = 0; j < NS; j++) sv[u][r][j] = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * blockDim.x;
+      if (c >= nch) break;
+      float s[R][NS];
+      if constexpr (BLOCKED) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+          for (int j = 0; j < NS; j++) {
+            if constexpr (FMT == FMT_MXFP8) s[r][j] = e8m0_f(sv[u][r][j]);
+            else if constexpr (FMT == FMT_NVFP4S) s[r][j] = e4m3_1(sv[u][r][j]);
+            else s[r][j] = __uint_as_float(sv[u][r][j]);
+          }
+      }
+#pragma unroll
+      for (int i = 0; i < WPC; i++) {
+        const int k = (c * WPC + i) * EPW;
+        float xw[BMAX][EPW];
+        load_xw<FMT, BMAX>(x, k, in, nb, xw);      // once per word, reused by the R rows
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          float v[EPW];
+          dequant_word<FMT>(wv[u][r][i], v);
+#pragma unroll
+          for (int b = 0; b < BMAX; b++) {
+            if (b < nb) {
+              if constexpr (!BLOCKED) {
+                float a = acc[r][b];
+#pragma unroll
+                for (int e = 0; e < EPW; e++) a = fmaf(v[e], xw[b][e], a);
+                acc[r][b] = a;
+              } else {
+                float q = v[0] * xw[b][0];
+#pragma unroll
+                for (int e = 1; e < EPW; e++) q = fmaf(v[e], xw[b][e], q);
+                acc[r][b] = fmaf(q, s[r][(i % WPC) / SPW], acc[r][b]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  float rs[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    if constexpr (FMT == FMT_FP8T) rs[r] = __ldg(sc);
+    else if constexpr (FMT == FMT_FP8C) rs[r] = __ldg(sc + rowc[r]);
+    else if constexpr (FMT == FMT_NVFP4S) rs[r] = __ldg(sc) * 64.0f;
+    else rs[r] = 1.0f;
+  }
+  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+}
+
+// ---- GGML NVFP4: rows of in/64 blocks of 36 bytes (4 E4M3 scale bytes, then 4 sub-blocks of 8 bytes;
+// sub-block byte j: element j low nibble, j+8 high). 8 threads per block: thread t reads data word t
+// (bytes 4+4t, sub-block t/2, elements 4(t&1)..+3 and +8) and scale byte t/2. ----
+template <int R, int BMAX, int U>
+__global__ void gemv_nvfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
+                                float *__restrict__ y, int out, int in, int nb, int add) {
+  const int nblk = in / 64, rowbytes = nblk * 36;
+  const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
+  const int row0 = blockIdx.x * R;
+  float acc[R][BMAX];
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
+  int rowc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+  const int koff = 16 * (t >> 1) + 4 * (t & 1);
+
+  for (int b0 = g; b0 < nblk; b0 += U * ng) {
+    u32 wv[U][R];
+    u32 sv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = b0 + u * ng;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const u8 *p = W + (size_t)rowc[r] * rowbytes + (size_t)blk * 36;
+        if (blk < nblk) {
+#ifdef BLOOMERY_NA
+          asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(wv[u][r]) : "l"(p + 4 + 4 * t));
+#else
+          wv[u][r] = __ldg(reinterpret_cast<const u32 *>(p + 4 + 4 * t));
+#endif
+          sv[u][r] = __ldg(p + (t >> 1));
+        } else { wv[u][r] = 0u; sv[u][r] = 0u; }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = b0 + u * ng;
+      if (blk >= nblk) break;
+      const int k = blk * 64 + koff;
+      float4 xl[BMAX], xh[BMAX];
+#pragma unroll
+      for (int b = 0; b < BMAX; b++) if (b < nb) { xl[b] = ldx4(x + (size_t)b * in + k); xh[b] = ldx4(x + (size_t)b * in + k + 8); }
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        float lo[4], hi[4];
+        const u32 w = wv[u][r];
+        e4m3x4(lo_nib_e4m3(w), lo);
+        e4m3x4(hi_nib_e4m3(w), hi);
+        const float s = e4m3_1(sv[u][r]);
+#pragma unroll
+        for (int b = 0; b < BMAX; b++) if (b < nb) {
+          float q = lo[0] * xl[b].x;
+          q = fmaf(lo[1], xl[b].y, q); q = fmaf(lo[2], xl[b].z, q); q = fmaf(lo[3], xl[b].w, q);
+          q = fmaf(hi[0], xh[b].x, q); q = fmaf(hi[1], xh[b].y, q); q = fmaf(hi[2], xh[b].z, q); q = fmaf(hi[3], xh[b].w, q);
+          acc[r][b] = fmaf(q, s, acc[r][b]);
+        }
+      }
+    }
+  }
+  float rs[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rs[r] = __ldg(sc) * 64.0f;
+  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+}
+
+// ---- GGML Q8_0: rows of in/32 blocks of 34 bytes (F16 d, then 32 int8). 8 threads per block:
+// thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
+template <int R, int BMAX, int U>
+__global__ void gemv_q8_0(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                          int out, int in, int nb, int add) {
+  const int nblk = in / 32, rowbytes = nblk * 34;
+  const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
+  const int row0 = blockIdx.x * R;
+  float acc[R][BMAX];
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
+  int rowc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+
+  for (int b0 = g; b0 < nblk; b0 += U * ng) {
+    u32 wv[U][R];
+    u16 dv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = b0 + u * ng;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const u16 *p = reinterpret_cast<const u16 *>(W + (size_t)rowc[r] * rowbytes + (size_t)blk * 34);
+        if (blk < nblk) {
+          wv[u][r] = (u32)__ldg(p + 1 + 2 * t) | ((u32)__ldg(p + 2 + 2 * t) << 16);
+          dv[u][r] = __ldg(p);
+        } else { wv[u][r] = 0u; dv[u][r] = 0; }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = b0 + u * ng;
+      if (blk >= nblk) break;
+      const int k = blk * 32 + 4 * t;
+      float4 xv[BMAX];
+#pragma unroll
+      for (int b = 0; b < BMAX; b++) if (b < nb) xv[b] = ldx4(x + (size_t)b * in + k);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const u32 w = wv[u][r] ^ 0x80808080u;
+        float v[4];
+        v[0] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540)) - 8388736.0f;
+        v[1] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7541)) - 8388736.0f;
+        v[2] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7542)) - 8388736.0f;
+        v[3] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7543)) - 8388736.0f;
+        float d; asm("cvt.f32.f16 %0, %1;" : "=f"(d) : "h"(dv[u][r]));
+#pragma unroll
+        for (int b = 0; b < BMAX; b++) if (b < nb) {
+          float q = v[0] * xv[b].x;
+          q = fmaf(v[1], xv[b].y, q); q = fmaf(v[2], xv[b].z, q); q = fmaf(v[3], xv[b].w, q);
+          acc[r][b] = fmaf(q, d, acc[r][b]);
+        }
+      }
+    }
+  }
+  float rs[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rs[r] = 1.0f;
+  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+}
+"""

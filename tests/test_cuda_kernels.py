@@ -1,0 +1,89 @@
+"""GPU: the decode GEMV kernels (runtime/cuda/gemv.py) against float64 references built from
+core/formats' own decoders, on artifacts laid out by core/artifact/layout.to_gguf.
+Skipped (visibly) where CuPy or a CUDA GPU is absent. tools/bench_kernels.py checks the large
+shapes and times them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed: the CUDA kernel tests need it and a GPU")
+try:
+    _ndev = cp.cuda.runtime.getDeviceCount()
+except Exception as e:                                   # no driver / no device
+    _ndev, _why = 0, f"{type(e).__name__}: {e}"
+else:
+    _why = "no CUDA device"
+if not _ndev:
+    pytest.skip(f"no CUDA GPU ({_why})", allow_module_level=True)
+
+from bloomery.core import formats                        # noqa: E402
+from bloomery.core.artifact import layout                 # noqa: E402
+from bloomery.runtime.cuda import gemv as G               # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FORMATS = ["nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "bf16", "f32", "q8_0"]
+SHAPES = [(1, 64), (7, 128), (130, 320), (576, 1536), (1536, 576), (257, 4096)]
+
+
+def artifact(fmt, shape, rng, stored_nvfp4=False):
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 3, (shape[0], 1)).astype(np.float32)
+    parts = formats.get(fmt).encode(x)
+    if stored_nvfp4:                                      # the stored layout: I8 nibbles + I8 E4M3 scales
+        arrays = {"weight": np.asarray(parts["weight"]).view(np.int8),
+                  "scale": np.asarray(parts["scale"]).view(np.int8),
+                  "scale_2": np.asarray(parts["scale_2"], np.float32).reshape(1)}
+    else:
+        arrays = layout.to_gguf(fmt, parts)
+    if fmt == "bf16":
+        arrays["weight"] = np.asarray(arrays["weight"]).view(np.uint16)
+    return formats.get(fmt).decode(parts).astype(np.float64), arrays
+
+
+def check(lin, W, nb, rng, accumulate=False):
+    x = rng.standard_normal((nb, W.shape[1])).astype(np.float32)
+    y0 = rng.standard_normal((nb, W.shape[0])).astype(np.float32)
+    y = cp.asarray(y0) if accumulate else cp.full((nb, W.shape[0]), cp.nan, dtype=cp.float32)
+    lin(cp.asarray(x), y, accumulate=accumulate)
+    got = cp.asnumpy(y).astype(np.float64)
+    ref = x.astype(np.float64) @ W.T + (y0 if accumulate else 0)
+    bound = np.abs(x.astype(np.float64)) @ np.abs(W).T + (np.abs(y0) if accumulate else 0)
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err = np.abs(got - ref)
+    assert (err <= 1e-5 * bound + 1e-30).all(), f"worst {np.max(err / (bound + 1e-30)):.2e}"
+    assert np.linalg.norm(err) <= 1e-5 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
+def test_gemv_matches_float64(fmt, shape):
+    rng = np.random.default_rng(hash((fmt, shape)) & 0xFFFF)
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    if f in ("nvfp4",) and shape[1] % 16 or f in ("mxfp8", "q8_0") and shape[1] % 32:
+        pytest.skip("not a valid shape for the format")
+    if fmt == "nvfp4" and shape[1] % 64:
+        pytest.skip("GGML NVFP4 needs in % 64")
+    W, arrays = artifact(f, shape, rng, stored_nvfp4=fmt == "nvfp4_stored")
+    lin = G.Linear(f, shape, {k: cp.asarray(v) for k, v in arrays.items()})
+    assert lin.kind == ("nvfp4_stored" if fmt == "nvfp4_stored" else "nvfp4_ggml" if f == "nvfp4" else f)
+    for nb in (1, 3, 8):
+        check(lin, W, nb, rng)
+    check(lin, W, 2, rng, accumulate=True)
+
+
+def test_gemv_1d_and_refusals():
+    rng = np.random.default_rng(1)
+    W, arrays = artifact("fp8_channel", (64, 128), rng)
+    lin = G.Linear("fp8_channel", (64, 128), {k: cp.asarray(v) for k, v in arrays.items()})
+    x = rng.standard_normal(128).astype(np.float32)
+    y = cp.asnumpy(lin(cp.asarray(x)))
+    assert y.shape == (64,)
+    np.testing.assert_allclose(y, W @ x, rtol=1e-5, atol=1e-5 * float((np.abs(W) @ np.abs(x)).max()))
+    with pytest.raises(ValueError):
+        lin(cp.zeros((9, 128), cp.float32))               # more than 8 activation rows
+    with pytest.raises(ValueError):
+        lin(cp.zeros((1, 128), cp.float64))
+    with pytest.raises(NotImplementedError):
+        G.Linear("fp8_tensor", (4, 6), {"weight": cp.zeros((4, 6), cp.int8), "scale": cp.ones(1, cp.float32)})
