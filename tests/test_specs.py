@@ -133,10 +133,10 @@ def test_lever_registry():
     q8 = levers.get("BLOOMERY_PREPARE_Q8")
     assert q8 in rows
     assert (q8.type, q8.values, q8.default) == ("flag", ("0", "1"), "0")
-    assert q8.cost == "not measured yet (measured by the run issue)"
+    assert "KL(stored BF16 || Q8_0)" in q8.cost      # measured: tests/test_gates.py checks the figures
     assert "Q8_0" in q8.changes and "--keep-bf16" in q8.changes
     text = levers.format_levers()
-    assert "BLOOMERY_PREPARE_Q8" in text and "not measured yet (measured by the run issue)" in text
+    assert "BLOOMERY_PREPARE_Q8" in text and "KL(stored BF16 || Q8_0)" in text
     assert "default 0" in text
 
 

@@ -1,0 +1,408 @@
+"""The model oracle: a Hugging Face transformers forward in float32 of a checkpoint folder.
+
+    from bloomery.tools import oracle
+    o = oracle.Oracle(folder)                  # nothing is built until a cache miss
+    o.logits(ids)                              # float32 [n, vocab], teacher-forced
+    oracle.logits(folder, ids)                 # the same, one call
+
+    python -m bloomery.tools.oracle FOLDER --ids IDS.json --out OUT.npy
+    python -m bloomery.tools.oracle FOLDER --prompt "What is the capital of France?" --generate 12
+
+How the model is made (transformers cannot load ModelOpt folders itself: it skips the modelopt
+quantization, see shared/notes/modelopt-cpu.md):
+- the architecture comes from config.json (quantization_config dropped) through
+  AutoModelForCausalLM.from_config, float32, eval, eager attention and eager experts;
+- every weight is read through bloomery's checkpoint reader and decoded by its own stored
+  format's rule (QuantTensor.decode(): NVFP4, MXFP8, MXFP4, FP8 per-tensor / per-channel /
+  block, BF16 ...), then loaded with strict=True: a parameter nobody fills, or a stored tensor
+  nobody uses, is an error;
+- weight-only: input_scale is ignored; NVFP4_AWQ's pre_quant_scale (which multiplies the
+  activation entering that linear) is folded into the weight, W_eff = W * pre_quant_scale[None, :];
+  FP8 KV-cache scales (k_scale / v_scale) are ignored (the cache is float32);
+- tied embeddings as the config says (lm_head shares embed_tokens when tie_word_embeddings);
+- MoE experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) are stacked
+  into transformers' fused `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+  `experts.down_proj` [E, H, I].
+
+`weights=` replaces the checkpoint's tensors with another source of HF-named float32 arrays
+(e.g. an artifact's tensors decoded by core/artifact/reader: `artifact_weights(path)`), so
+the same forward can run on the values an artifact holds (the Q8 lever's measurement).
+
+Results are cached on disk under $BLOOMERY_ORACLE_CACHE (default ~/.cache/bloomery/oracle),
+keyed by a content hash of the folder's weights and config, of the oracle's own code (this
+file, the checkpoint reader, the format decoders), the torch and transformers versions, and a
+hash of the token ids: repeated gates do not recompute, and a code edit never reads a stale answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+ORACLE_VERSION = "1"          # bump when the forward or the weight rules change: old cache entries go stale
+CACHE_ENV = "BLOOMERY_ORACLE_CACHE"
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_HASHED_SUFFIXES = (".safetensors", ".json")
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+class OracleError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------- cache keys
+
+
+def cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "bloomery" / "oracle"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+_FILE_HASHES: dict[tuple, str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    h = _FILE_HASHES.get(key)
+    if h is None:
+        d = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                d.update(chunk)
+        h = _FILE_HASHES[key] = d.hexdigest()
+    return h
+
+
+def code_key() -> str:
+    """Hash of the code that makes the oracle's numbers: this file, the checkpoint reader and
+    the format decoders (an edit there recomputes, never serves a stale cached answer)."""
+    root = Path(__file__).resolve().parent.parent
+    d = hashlib.sha256()
+    for p in [Path(__file__).resolve(), root / "compiler" / "checkpoint.py",
+              root / "compiler" / "quant_config.py", *sorted((root / "core" / "formats").glob("*.py"))]:
+        d.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return d.hexdigest()
+
+
+def folder_key(folder, weights_key: str | None = None) -> str:
+    """Content hash of what the oracle reads from `folder` (config, quant config, shards),
+    the oracle's code (code_key), the torch/transformers versions; `weights_key` names a
+    replacement weight source (artifact_weights)."""
+    folder = Path(folder)
+    d = hashlib.sha256()
+    d.update(f"oracle {ORACLE_VERSION} {code_key()} torch {_version('torch')} "
+             f"transformers {_version('transformers')}\0".encode())
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name.endswith(_HASHED_SUFFIXES) and not p.name.startswith("tokenizer"):
+            if weights_key is not None and p.name.endswith(".safetensors"):
+                continue
+            d.update(p.name.encode() + b"\0" + _file_sha256(p).encode() + b"\0")
+    if weights_key is not None:
+        d.update(b"weights\0" + weights_key.encode())
+    return d.hexdigest()[:32]
+
+
+def ids_key(ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def checkpoint_weights(folder) -> dict[str, np.ndarray]:
+    """HF name -> float32 weight decoded by its stored format's rule, pre_quant_scale folded.
+    input_scale and KV-cache scales are not weights and do not appear."""
+    from bloomery.compiler.checkpoint import Checkpoint
+
+    ck = Checkpoint.open(folder)
+    out: dict[str, np.ndarray] = {}
+    for name, qt in ck.tensors.items():
+        w = qt.decode()
+        if "pre_quant_scale" in qt.sources:
+            w = fold_pre_quant_scale(w, qt.sources["pre_quant_scale"].array())
+        out[name] = w
+    return out
+
+
+def fold_pre_quant_scale(w: np.ndarray, pqs) -> np.ndarray:
+    """W_eff = W * pre_quant_scale[None, :] (pre_quant_scale multiplies the input channels)."""
+    pqs = np.asarray(pqs, dtype=np.float32)
+    if pqs.shape[-1] != w.shape[-1]:
+        raise OracleError(f"pre_quant_scale of shape {list(pqs.shape)} does not match a weight of shape "
+                          f"{list(w.shape)} (it scales the last axis, the input channels)")
+    if pqs.ndim == 1:
+        return w * pqs[None, :]
+    return w * pqs[..., None, :]
+
+
+def artifact_weights(path, rank: int = 0) -> dict[str, np.ndarray]:
+    """An artifact's tensors (one rank of a tp 1 artifact) decoded by core/artifact/reader and
+    split back into HF names through each tensor's `sources` (stacked experts along axis 0)."""
+    from bloomery.core.artifact.reader import Artifact
+
+    a = Artifact.open(path)
+    if a.tp != 1:
+        raise OracleError(f"{path}: artifact_weights reads a tp 1 artifact (this one is tp {a.tp})")
+    out: dict[str, np.ndarray] = {}
+    for base, info in a.tensors(rank).items():
+        if all(s.endswith(_KV_SCALE_SUFFIXES) for s in info.sources):
+            continue                     # FP8 KV-cache scales: ignored (the oracle's cache is float32)
+        w = a.decode(base, rank)
+        parts = a.parts(base, rank)
+        if "pre_quant_scale" in parts:
+            w = fold_pre_quant_scale(w, parts["pre_quant_scale"])
+        if len(info.sources) == 1:
+            out[info.sources[0]] = w
+        elif w.shape[0] == len(info.sources):
+            for i, s in enumerate(info.sources):
+                out[s] = np.ascontiguousarray(w[i])
+        else:
+            raise OracleError(f"{path}: tensor {base!r} of shape {list(w.shape)} has {len(info.sources)} sources; "
+                              "cannot split it back into HF tensors")
+    a.close()
+    return out
+
+
+# --------------------------------------------------------------------------- model
+
+
+def hf_config(folder):
+    """The transformers config of the folder, without its quantization_config."""
+    from transformers import AutoConfig
+
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    model_type = raw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **raw)
+    return cfg
+
+
+def state_dict_for(model, weights: Mapping[str, np.ndarray], tied: bool) -> dict:
+    """Map HF-named float32 arrays onto the model's state dict: exact names, the fused MoE
+    expert tensors, and a tied lm_head; every parameter filled, every array used."""
+    import torch
+
+    target = model.state_dict()
+    experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    plain: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        m = _EXPERT_RE.match(name)
+        if m and name not in target:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = w
+        else:
+            plain[name] = w
+    sd: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for key, ref in target.items():
+        if key in plain:
+            arr = plain[key]
+            used.add(key)
+        elif key == "lm_head.weight" and tied and "model.embed_tokens.weight" in plain:
+            arr = plain["model.embed_tokens.weight"]
+        elif key.endswith(".gate_up_proj") and key[: -len(".gate_up_proj")] in experts:
+            ex = experts[key[: -len(".gate_up_proj")]]
+            n = ref.shape[0]
+            arr = np.stack([np.concatenate([ex["gate_proj"][e], ex["up_proj"][e]], axis=0) for e in range(n)])
+            used.update(f"{key[:-len('.gate_up_proj')]}.{e}.{p}.weight" for e in range(n) for p in ("gate_proj", "up_proj"))
+        elif key.endswith(".down_proj") and key[: -len(".down_proj")] in experts:
+            ex = experts[key[: -len(".down_proj")]]
+            n = ref.shape[0]
+            arr = np.stack([ex["down_proj"][e] for e in range(n)])
+            used.update(f"{key[:-len('.down_proj')]}.{e}.down_proj.weight" for e in range(n))
+        else:
+            raise OracleError(f"model parameter {key!r} {list(ref.shape)} has no stored tensor")
+        if tuple(arr.shape) != tuple(ref.shape):
+            raise OracleError(f"model parameter {key!r} is {list(ref.shape)}, the stored tensor is {list(arr.shape)}")
+        sd[key] = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    unused = sorted(set(weights) - used - ({"lm_head.weight"} if tied and "lm_head.weight" in sd else set()))
+    if unused:
+        raise OracleError(f"stored tensors the model has no place for: {', '.join(unused[:8])}"
+                          + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else ""))
+    return sd
+
+
+def build_model(folder, weights: Mapping[str, np.ndarray] | None = None):
+    """The float32 transformers model of `folder` with the decoded weights (or `weights`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(folder)
+    if weights is None:
+        weights = checkpoint_weights(folder)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    if hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = "eager"
+    model.eval()
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    sd = state_dict_for(model, weights, tied)
+    model.load_state_dict(sd, strict=True)
+    if tied:
+        model.tie_weights()
+    not_f32 = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if not_f32:     # load_state_dict would have rounded the decoded weights into them
+        raise OracleError(f"{folder}: the model holds {', '.join(not_f32)} parameters; the oracle is float32")
+    return model
+
+
+def forward_logits(model, ids: Sequence[int]) -> np.ndarray:
+    import torch
+
+    if len(ids) == 0:
+        raise OracleError("no token ids")
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].to(torch.float32).numpy().copy()
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+class Oracle:
+    """Teacher-forced float32 logits of one checkpoint folder, cached on disk.
+
+    weights: a callable returning HF-named float32 arrays (replaces the checkpoint's tensors),
+    with weights_key naming it in the cache key (e.g. the artifact's SHA256SUMS hash)."""
+
+    def __init__(self, folder, *, weights: Callable[[], Mapping[str, np.ndarray]] | None = None,
+                 weights_key: str | None = None, cache: bool = True):
+        self.folder = Path(folder)
+        if not (self.folder / "config.json").is_file():
+            raise OracleError(f"{self.folder}: no config.json")
+        if (weights is None) != (weights_key is None):
+            raise OracleError("weights and weights_key go together")
+        self._weights = weights
+        self._weights_key = weights_key
+        self.key = folder_key(self.folder, weights_key)
+        self.cache = cache
+        self._model = None
+        self.computed = 0      # forwards run (cache misses)
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = build_model(self.folder, self._weights() if self._weights else None)
+        return self._model
+
+    def cache_path(self, ids: Sequence[int]) -> Path:
+        return cache_dir() / self.key / f"{ids_key(ids)}.npy"
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        ids = [int(i) for i in ids]
+        p = self.cache_path(ids)
+        if self.cache and p.is_file():
+            try:
+                arr = np.load(p)
+                if arr.shape[0] == len(ids) and arr.dtype == np.float32:
+                    return arr
+            except (OSError, ValueError):
+                pass
+        arr = forward_logits(self.model, ids)
+        self.computed += 1
+        if self.cache:
+            if not p.parent.is_dir():
+                self._new_entry(p.parent)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, arr)
+            os.replace(tmp, p)
+        return arr
+
+    def _new_entry(self, d: Path) -> None:
+        """Make this key's folder, naming its source; drop the entries of the same source made
+        under other keys (older code, other weights): the cache holds one answer per source."""
+        source = {"folder": str(self.folder.resolve()), "weights": self._weights_key}
+        for other in d.parent.glob("*/source.json") if d.parent.is_dir() else ():
+            try:
+                same = json.loads(other.read_text()) == source
+            except (OSError, ValueError):
+                continue
+            if same and other.parent != d:
+                for f in other.parent.iterdir():
+                    f.unlink(missing_ok=True)
+                other.parent.rmdir()
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "source.json").write_text(json.dumps(source))
+
+    def greedy(self, ids: Sequence[int], n: int, eos: Iterable[int] = ()) -> list[int]:
+        """Greedy continuation (no cache of any kind: recomputes the prefix each step)."""
+        ids, out, stop = list(ids), [], set(eos)
+        for _ in range(n):
+            t = int(np.argmax(forward_logits(self.model, ids)[-1]))
+            out.append(t)
+            ids.append(t)
+            if t in stop:
+                break
+        return out
+
+
+def logits(folder, ids: Sequence[int], cache: bool = True) -> np.ndarray:
+    return Oracle(folder, cache=cache).logits(ids)
+
+
+def artifact_oracle(folder, artifact) -> Oracle:
+    """The oracle forward of `folder`'s architecture on the values a tp 1 artifact holds."""
+    from bloomery.core.artifact.reader import SUMS
+
+    sums = (Path(artifact) / SUMS).read_bytes()
+    key = "artifact:" + hashlib.sha256(sums).hexdigest()
+    return Oracle(folder, weights=lambda: artifact_weights(artifact), weights_key=key)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def chat_ids(folder, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bloomery.tools.oracle", description=__doc__.split("\n")[0])
+    ap.add_argument("folder")
+    ap.add_argument("--ids", help="JSON list of token ids")
+    ap.add_argument("--out", help="write the float32 logits [n, vocab] here (.npy)")
+    ap.add_argument("--prompt", help="chat-templated prompt (with --generate)")
+    ap.add_argument("--generate", type=int, default=0, help="greedy tokens to generate after --prompt")
+    ap.add_argument("--no-cache", action="store_true")
+    a = ap.parse_args(argv)
+    o = Oracle(a.folder, cache=not a.no_cache)
+    if a.prompt:
+        from transformers import AutoTokenizer
+
+        ids = chat_ids(a.folder, a.prompt)
+        cfg = json.loads((Path(a.folder) / "config.json").read_text())
+        eos = cfg.get("eos_token_id")
+        gen = o.greedy(ids, a.generate or 16, eos=eos if isinstance(eos, list) else [eos])
+        print(AutoTokenizer.from_pretrained(a.folder).decode(gen))
+        return 0
+    if not (a.ids and a.out):
+        ap.error("give --ids and --out, or --prompt")
+    ids = json.loads(Path(a.ids).read_text())
+    np.save(a.out, o.logits(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
