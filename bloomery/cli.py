@@ -320,7 +320,7 @@ _DEVICE = click.Choice(["auto", "cpu", "cuda"])
 @click.option("--ctx-size", "-c", type=click.IntRange(1), default=None,
               help="Context (KV cache) length  [default: the model's, at most 4096].")
 @click.option("--device", type=_DEVICE, default="auto", show_default=True,
-              help="auto: cuda when a GPU and CuPy are present (not implemented yet: runs on the CPU).")
+              help="auto: cuda when CuPy and a GPU are present (TP=1 artifacts), else cpu.")
 @click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True,
               help="CPU BLAS threads (one is fastest on a shared machine: runtime/blas.py).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, counts, timings) "

@@ -7,21 +7,34 @@ from .errors import DeviceUnavailable
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def gpu_present() -> bool:
-    """A CUDA GPU that CuPy can see."""
+def cuda_unavailable() -> str | None:
+    """Why the CUDA executor cannot run here (None when CuPy sees a CUDA GPU)."""
     try:
         import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    except Exception as e:
+        return f"CuPy is not importable ({type(e).__name__}: {e})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return f"no CUDA driver or GPU ({type(e).__name__}: {e})"
+    return None if n > 0 else "no CUDA GPU"
+
+
+def gpu_present() -> bool:
+    """A CUDA GPU that CuPy can see."""
+    return cuda_unavailable() is None
 
 
 def resolve(device: str) -> str:
-    """The device that will run: auto picks cuda when a GPU and CuPy are present and its executor
-    exists, else cpu. cuda is refused by name until the CUDA executor lands."""
+    """The device that will run: auto picks cuda when CuPy and a GPU are present, else cpu;
+    cuda without them is refused by name."""
     if device not in DEVICES:
         raise DeviceUnavailable(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return "cpu"
+    why = cuda_unavailable()
     if device == "cuda":
-        raise DeviceUnavailable("--device cuda: the CUDA executor is not implemented yet; use --device cpu "
-                                "(or auto, which runs on the CPU for now)")
-    return "cpu"
+        if why:
+            raise DeviceUnavailable(f"--device cuda: {why}; use --device cpu (or auto)")
+        return "cuda"
+    return "cpu" if why else "cuda"

@@ -1,6 +1,6 @@
 """A loaded artifact ready to run: its plans (one per rank), weights, executor and KV-cache slots.
 
-    eng = Engine("art/", ctx=2048)            # device: "cpu" | "auto" (cuda is refused for now)
+    eng = Engine("art/", ctx=2048)            # device: "cpu" | "cuda" | "auto" (cuda when CuPy and a GPU are present)
     logits = eng.prefill(ids)                  # [n, vocab] float32, appended to slot 0's sequence
     logits, next_ids = eng.decode([tok])       # one row per slot
     eng.reset()
@@ -21,7 +21,7 @@ from bloomery.core.artifact import Artifact
 
 from . import blas
 from . import device as devices
-from .errors import NoPlan, PlanMismatch, PromptTooLong, TokenOutOfVocab
+from .errors import DeviceUnavailable, NoPlan, PlanMismatch, PromptTooLong, TokenOutOfVocab
 from .numpy_executor import NumpyExecutor
 from .weights import CpuWeights
 
@@ -45,6 +45,12 @@ class Engine:
                  ubatch: int = DEFAULT_UBATCH, threads: int | None = 1):
         self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact))
         self.device = devices.resolve(device)
+        if self.device == "cuda" and self.art.tp > 1:       # the CUDA executor is TP=1 in this version
+            if device == "auto":
+                self.device = "cpu"
+            else:
+                raise DeviceUnavailable(f"{self.art.path}: tp={self.art.tp}: the CUDA executor runs TP=1 "
+                                        f"artifacts only in this version; use --device cpu or prepare with --tp 1")
         if threads is not None:
             blas.set_threads(threads)          # runtime/blas.py: why one thread by default
         self.plans = read_plans(self.art)
@@ -55,10 +61,17 @@ class Engine:
         if self.ctx < 1 or slots < 1 or ubatch < 1:
             raise ValueError(f"ctx {self.ctx}, slots {slots} and ubatch {ubatch} must be positive")
         self.slots, self.ubatch = slots, ubatch
-        shared: dict = {}
-        self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]
-        self._check_formats()
-        self.exec = NumpyExecutor(self.plans, self.weights, {"slots": slots, "ubatch": ubatch, "ctx": self.ctx})
+        symbols = {"slots": slots, "ubatch": ubatch, "ctx": self.ctx}
+        if self.device == "cuda":
+            from .cuda.executor import CudaExecutor       # imports CuPy
+            self.weights = None
+            self._check_formats()
+            self.exec = CudaExecutor(self.plans, self.art, symbols)
+        else:
+            shared: dict = {}
+            self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]
+            self._check_formats()
+            self.exec = NumpyExecutor(self.plans, self.weights, symbols)
         self.lengths = np.zeros(slots, np.int64)
         md = self.art.metadata(0)
         self.eos_ids = [int(e) for e in md.get("bloomery.eos_token_ids", [])]
@@ -66,11 +79,15 @@ class Engine:
 
     def _check_formats(self) -> None:
         """Each linear's declared format matches the artifact (a stale plan is refused by name)."""
-        for r, (p, w) in enumerate(zip(self.plans, self.weights)):
+        for r, p in enumerate(self.plans):
             table = self.art.tensors(r)
             for op in p["programs"]["decode"]["ops"]:
+                if op["op"] == "linear" and op["weight"] not in table:
+                    raise PlanMismatch(f"{self.art.path}: rank {r}'s plan reads tensor {op['weight']!r}, which the "
+                                       f"artifact does not hold; re-prepare the artifact")
                 if op["op"] == "linear" and (table[op["weight"]].format != op["format"]
-                                             or (op["weight"] in w.pre_quant) != op["pre_quant_scale"]):
+                                             or ("pre_quant_scale" in table[op["weight"]].optional)
+                                             != op["pre_quant_scale"]):
                     raise PlanMismatch(f"{self.art.path}: rank {r}: the plan reads {op['weight']!r} as "
                                        f"{op['format']}, the artifact holds {table[op['weight']].format}; "
                                        f"re-prepare the artifact")
@@ -110,17 +127,26 @@ class Engine:
             tokens[:n] = chunk
             pos = np.full(u, -1, np.int32)
             pos[:n] = np.arange(start + c, start + c + n)
-            res = self.exec.run("prefill", {"tokens": tokens, "positions": pos, "slot_ids": np.full(u, slot, np.int32)})
-            if not last_only or c + u >= a.size:
+            keep = not last_only or c + u >= a.size
+            res = self._run("prefill", {"tokens": tokens, "positions": pos, "slot_ids": np.full(u, slot, np.int32)},
+                            ("logits",) if keep else ())
+            if keep:
                 out.append(res["logits"][:n].copy())
         self.lengths[slot] = start + a.size
         if last_only:
             return out[-1][-1]
         return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
 
-    def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None):
+    def _run(self, prog: str, inputs: dict, want: tuple):
+        """The executor's run; the CUDA executor copies back only the outputs in `want`."""
+        if self.device == "cuda":
+            return self.exec.run(prog, inputs, want)
+        return self.exec.run(prog, inputs)
+
+    def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None, logits: bool = True):
         """One step: tokens[s] appended to slot s (for every active slot). Returns the logits
-        [slots, vocab] and the greedy next ids [slots] (copies)."""
+        [slots, vocab] (None when logits=False: on the GPU they then stay there) and the greedy
+        next ids [slots] (copies)."""
         a = self.check_ids(tokens)
         if a.size != self.slots:
             raise ValueError(f"decode takes one token per slot ({self.slots}), got {a.size}")
@@ -130,10 +156,11 @@ class Engine:
             raise PromptTooLong(f"slot {int(np.nonzero(full)[0][0])} is full: the context holds {self.ctx} "
                                 f"tokens (--ctx-size)")
         pos = np.where(act, self.lengths, -1).astype(np.int32)
-        res = self.exec.run("decode", {"tokens": a.astype(np.int32), "positions": pos,
-                                       "slot_ids": np.arange(self.slots, dtype=np.int32)})
+        res = self._run("decode", {"tokens": a.astype(np.int32), "positions": pos,
+                                   "slot_ids": np.arange(self.slots, dtype=np.int32)},
+                        ("logits", "next_token") if logits else ("next_token",))
         self.lengths[act] += 1
-        return res["logits"].copy(), res["next_token"].astype(np.int64)
+        return (res["logits"].copy() if logits else None), res["next_token"].astype(np.int64)
 
 
 def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFAULT_UBATCH,

@@ -78,9 +78,9 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
         if eng.lengths[0] >= eng.ctx:
             stop = "ctx"
             break
-        logits_, greedy = eng.decode([nxt])
+        logits_, greedy = eng.decode([nxt], logits=temperature > 0)   # greedy: only the id comes back
         steps += 1
-        nxt = pick(logits_[0], greedy[0])
+        nxt = pick(None if logits_ is None else logits_[0], greedy[0])
     t2 = time.perf_counter()
     rest = stream.flush()
     if on_text and rest:

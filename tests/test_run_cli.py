@@ -77,8 +77,10 @@ def test_raw_skips_the_template():
 
 def test_refusals(tmp_path):
     art = artifact("tiny-llama/bf16")
-    r = CliRunner().invoke(main, ["run", str(art), "-p", "hi", "--device", "cuda"])
-    assert r.exit_code != 0 and "DeviceUnavailable" in r.output and "CUDA executor is not implemented" in r.output
+    from bloomery.runtime.device import gpu_present
+    if not gpu_present():                 # with a GPU, --device cuda runs (tests/test_cuda_executor.py)
+        r = CliRunner().invoke(main, ["run", str(art), "-p", "hi", "--device", "cuda"])
+        assert r.exit_code != 0 and "DeviceUnavailable" in r.output and "--device cuda" in r.output
     (tmp_path / "ids.json").write_text("[1, 2, 512]")
     r = CliRunner().invoke(main, ["logits", str(art), "--ids", str(tmp_path / "ids.json"), "--out", str(tmp_path / "x.npy")])
     assert r.exit_code != 0 and "TokenOutOfVocab" in r.output and "id 512 at index 2" in r.output

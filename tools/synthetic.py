@@ -96,7 +96,7 @@ def fill(rng: np.random.Generator, name: str, dtype: str, shape: tuple):
 
 def _chunk(rng: np.random.Generator, name: str, dtype: str, n: int) -> bytes:
     if dtype == "BF16":   # small normal-ish values: random mantissa and sign, exponent near 2^-6
-        bits = (rng.integers(0, 1 << 16, n, dtype=np.uint16) & 0x807F) | (0x3C << 7)
+        bits = (rng.integers(0, 1 << 16, n, dtype=np.uint16) & 0x807F) | (0x79 << 7)   # exponent 121: 2^-6
         return bits.astype(np.uint16).tobytes()
     if dtype == "F32":    # a global / input / per-tensor scale
         return np.full(n, 1e-3 if "input" in name else 2e-4, np.float32).tobytes()

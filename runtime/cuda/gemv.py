@@ -33,7 +33,7 @@ FMT_ID = {"f32": 0, "bf16": 1, "fp8_tensor": 2, "fp8_channel": 3, "fp8_block128"
           "nvfp4_stored": 6}
 EPW = {"f32": 1, "bf16": 2, "fp8_tensor": 4, "fp8_channel": 4, "fp8_block128": 4, "mxfp8": 4,
        "nvfp4_stored": 8}
-FORMATS = ("nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "bf16", "f32", "q8_0")
+FORMATS = ("nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "bf16", "f32", "q8_0", "mxfp4")
 BATCHES = (1, 2, 4, 8)
 MAX_BATCH = 8
 
@@ -57,7 +57,18 @@ def kernel_kind(fmt: str, arrays: Mapping) -> str:
     return fmt
 
 
-def kernel_name(kind: str, R: int, B: int, U: int, WPC: int = 4) -> str:
+def kernel_name(kind: str, R: int, B: int, U: int, WPC: int = 4, experts: bool = False) -> str:
+    """The kernel's name expression; experts=True: the MoE form (device-side expert ids, one row per pair)."""
+    if experts:
+        if kind == "nvfp4_ggml":
+            return f"gemv_nvfp4_ggml_e<{R}, {U}>"
+        if kind == "q8_0":
+            return f"gemv_q8_0_e<{R}, {U}>"
+        if kind == "mxfp4":
+            return "gemv_mxfp4_ggml_e"
+        return f"gemv_plain_e<{FMT_ID[kind]}, {R}, {U}, {WPC}>"
+    if kind == "mxfp4":
+        return f"gemv_mxfp4_ggml<{B}>"
     if kind == "nvfp4_ggml":
         return f"gemv_nvfp4_ggml<{R}, {B}, {U}>"
     if kind == "q8_0":
@@ -96,6 +107,8 @@ def supported(kind: str, out: int, inn: int) -> str | None:
         return None if inn % 64 == 0 else "GGML NVFP4 needs in % 64 == 0"
     if kind == "q8_0":
         return None if inn % 32 == 0 else "Q8_0 needs in % 32 == 0"
+    if kind == "mxfp4":
+        return None if inn % 32 == 0 else "MXFP4 needs in % 32 == 0"
     if inn % EPW[kind]:
         return f"{kind} needs in % {EPW[kind]} == 0 (one 4-byte word per thread step)"
     if kind == "mxfp8" and inn % 32:
@@ -186,6 +199,8 @@ TUNED = {                        # (kind, out, in) -> batch-1 best of the R x T 
 
 def default_config(kind: str, out: int, inn: int, nb: int = 1) -> Config:
     B = batch_bucket(nb)
+    if kind == "mxfp4":                      # one warp per row, R rows (warps) per CTA
+        return Config(R=4, T=128, U=1, WPC=1)
     if kind in ("nvfp4_ggml", "q8_0"):
         nblk = inn // (64 if kind == "nvfp4_ggml" else 32)
         if B == 1:
@@ -214,6 +229,7 @@ class Linear:
         self.fmt = fmt
         self.kind = kernel_kind(fmt, arrays)
         self.out, self.inn = (int(shape[-2]), int(shape[-1]))
+        self.experts = int(math.prod(shape[:-2])) if len(shape) > 2 else 0     # stacked [E, out, in]
         why = supported(self.kind, self.out, self.inn)
         if why:
             raise NotImplementedError(f"gemv {fmt} [{self.out}, {self.inn}]: {why}")
@@ -234,6 +250,13 @@ class Linear:
             self.s = self.arrays["scale"]
         self.nbytes = sum(int(a.nbytes) for k, a in self.arrays.items() if k in ("weight", "scale", "scale_2"))
         self._kern = {}
+        if self.experts:                     # per-expert strides in the kernels' pointer units
+            E = self.experts
+            wb = int(self.w.nbytes) // E
+            self.wst = wb if self.kind in ("nvfp4_ggml", "q8_0", "mxfp4") else wb // 4
+            self.sst = int(self.s.nbytes) // E if self.s is not None else 0
+            self.scst = int(self.sc.size) // E if self.sc is not None and self.sc.size > 1 else 0
+            self.expert_nbytes = self.nbytes // E
 
     def kernel(self, nb: int):
         B = batch_bucket(nb)
@@ -242,6 +265,33 @@ class Linear:
             name = kernel_name(self.kind, c.R, B, c.U, c.WPC)
             self._kern[B] = (compile_kernels([name], self.defines)[name], c)
         return self._kern[B]
+
+    def kernel_experts(self):
+        if "e" not in self._kern:
+            c = self.config or default_config(self.kind, self.out, self.inn, 1)
+            name = kernel_name(self.kind, c.R, 1, c.U, c.WPC, experts=True)
+            self._kern["e"] = (compile_kernels([name], self.defines)[name], c)
+        return self._kern["e"]
+
+    def launch_experts(self, x, y, eid, pairs: int, xdiv: int, accumulate: bool = False):
+        """The MoE form: for each pair p < pairs, y[p] = W[eid[p]] x[p // xdiv] (+ y[p]); eid int32 on
+        the device (the router's output), read by the kernel. No checks, no allocation."""
+        kern, c = self.kernel_experts()
+        i32, i64 = cp.int32, cp.int64
+        rows_per_cta = c.T // 32 if self.kind == "mxfp4" else c.R
+        grid = (math.ceil(self.out / rows_per_cta), int(pairs))
+        tail = (eid, i32(self.experts), i32(xdiv))
+        if self.kind == "nvfp4_ggml":
+            args = (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail,
+                    i64(self.wst), i64(self.scst))
+        elif self.kind in ("q8_0", "mxfp4"):
+            args = (self.w, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail, i64(self.wst))
+        else:
+            s = self.s if self.s is not None else self.w
+            sc = self.sc if self.sc is not None else x
+            args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail,
+                    i64(self.wst), i64(self.sst), i64(self.scst))
+        kern(grid, (c.T,), args)
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1
@@ -261,12 +311,12 @@ class Linear:
     def launch(self, x, y, nb: int, accumulate: bool = False):
         """Raw launch, no checks (x, y device arrays as in __call__)."""
         kern, c = self.kernel(nb)
-        grid = (math.ceil(self.out / c.R),)
+        grid = (math.ceil(self.out / (c.T // 32 if self.kind == "mxfp4" else c.R)),)
         i32 = cp.int32
-        if self.kind == "nvfp4_ggml":
-            args = (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
-        elif self.kind == "q8_0":
+        if self.kind in ("q8_0", "mxfp4"):
             args = (self.w, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
+        elif self.kind == "nvfp4_ggml":
+            args = (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
         else:
             s = self.s if self.s is not None else self.w     # unused pointer slot
             sc = self.sc if self.sc is not None else x

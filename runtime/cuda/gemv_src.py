@@ -140,7 +140,7 @@ __device__ __forceinline__ void dequant_word(u32 w, float *v) {
 }
 
 template <int FMT, int R, int BMAX, int U, int WPC>
-__global__ void gemv_plain(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
+__device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
                            const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add) {
   constexpr int EPW = EPWof<FMT>::v;
   constexpr bool BLOCKED = FMT == FMT_FP8B128 || FMT == FMT_MXFP8 || FMT == FMT_NVFP4S;
@@ -248,7 +248,7 @@ __global__ void gemv_plain(const u32 *__restrict__ W, const void *__restrict__ S
 // sub-block byte j: element j low nibble, j+8 high). 8 threads per block: thread t reads data word t
 // (bytes 4+4t, sub-block t/2, elements 4(t&1)..+3 and +8) and scale byte t/2. ----
 template <int R, int BMAX, int U>
-__global__ void gemv_nvfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
+__device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
                                 float *__restrict__ y, int out, int in, int nb, int add) {
   const int nblk = in / 64, rowbytes = nblk * 36;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
@@ -316,7 +316,7 @@ __global__ void gemv_nvfp4_ggml(const u8 *__restrict__ W, const float *__restric
 // ---- GGML Q8_0: rows of in/32 blocks of 34 bytes (F16 d, then 32 int8). 8 threads per block:
 // thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
 template <int R, int BMAX, int U>
-__global__ void gemv_q8_0(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+__device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
                           int out, int in, int nb, int add) {
   const int nblk = in / 32, rowbytes = nblk * 34;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
@@ -375,5 +375,104 @@ __global__ void gemv_q8_0(const u8 *__restrict__ W, const float *__restrict__ x,
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = 1.0f;
   reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+}
+// ---- GGML MXFP4: rows of in/32 blocks of 17 bytes (E8M0 byte, then 16 bytes: byte j = element j low
+// nibble, j+16 high). One warp per row (R warps per CTA), a lane per block; byte loads (blocks are
+// byte-aligned). value = E2M1 * 2^(e-127). Correct, not tuned (no model ships MXFP4 linears at size yet). ----
+__constant__ float E2M1_TAB[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+template <int BMAX>
+__device__ __forceinline__ void gemv_mxfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                                                     int out, int in, int nb, int add) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int row = blockIdx.x * nw + warp;
+  if (row >= out) return;
+  const int nblk = in / 32;
+  const u8 *wr = W + (size_t)row * nblk * 17;
+  float acc[BMAX];
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) acc[b] = 0.f;
+  for (int blk = lane; blk < nblk; blk += 32) {
+    const u8 *p = wr + (size_t)blk * 17;
+    const float s = e8m0_f(__ldg(p));
+    float q[BMAX];
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) q[b] = 0.f;
+    for (int j = 0; j < 16; j++) {
+      const u32 v = __ldg(p + 1 + j);
+      const float lo = E2M1_TAB[v & 15u], hi = E2M1_TAB[v >> 4];
+#pragma unroll
+      for (int b = 0; b < BMAX; b++) if (b < nb) {
+        const float *px = x + (size_t)b * in + blk * 32;
+        q[b] = fmaf(lo, __ldg(px + j), q[b]);
+        q[b] = fmaf(hi, __ldg(px + j + 16), q[b]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) acc[b] = fmaf(q[b], s, acc[b]);
+  }
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) {
+    float v = acc[b];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && b < nb) { float *py = y + (size_t)b * out + row; *py = add ? *py + v : v; }
+  }
+}
+
+// ---- entry points. The plain ones take nb activation rows; the _e ones are the MoE form: blockIdx.y
+// is a (row, choice) pair p, its expert e = eid[p] (read on the device: no host round trip) offsets
+// the stacked weights ([E, out, in]; strides in the pointer's units: W words or bytes, S bytes, sc
+// floats), its input row is x[p / xdiv] and its output row y[p]. One activation row per pair. ----
+__device__ __forceinline__ int expert_of(const int *eid, int ne) {
+  const int e = eid[blockIdx.y];
+  return e < 0 ? 0 : (e >= ne ? ne - 1 : e);
+}
+
+template <int FMT, int R, int BMAX, int U, int WPC>
+__global__ void gemv_plain(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
+                           const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add) {
+  gemv_plain_body<FMT, R, BMAX, U, WPC>(W, S, sc, x, y, out, in, nb, add);
+}
+template <int FMT, int R, int U, int WPC>
+__global__ void gemv_plain_e(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
+                             const float *__restrict__ x, float *__restrict__ y, int out, int in, int add,
+                             const int *__restrict__ eid, int ne, int xdiv, long long wst, long long sst, long long scst) {
+  const int e = expert_of(eid, ne), p = blockIdx.y;
+  gemv_plain_body<FMT, R, 1, U, WPC>(W + e * wst, (const u8 *)S + e * sst, sc + e * scst, x + (size_t)(p / xdiv) * in,
+                                      y + (size_t)p * out, out, in, 1, add);
+}
+template <int R, int BMAX, int U>
+__global__ void gemv_nvfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
+                                float *__restrict__ y, int out, int in, int nb, int add) {
+  gemv_nvfp4_ggml_body<R, BMAX, U>(W, sc, x, y, out, in, nb, add);
+}
+template <int R, int U>
+__global__ void gemv_nvfp4_ggml_e(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
+                                  float *__restrict__ y, int out, int in, int add,
+                                  const int *__restrict__ eid, int ne, int xdiv, long long wst, long long scst) {
+  const int e = expert_of(eid, ne), p = blockIdx.y;
+  gemv_nvfp4_ggml_body<R, 1, U>(W + e * wst, sc + e * scst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add);
+}
+template <int R, int BMAX, int U>
+__global__ void gemv_q8_0(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                          int out, int in, int nb, int add) {
+  gemv_q8_0_body<R, BMAX, U>(W, x, y, out, in, nb, add);
+}
+template <int R, int U>
+__global__ void gemv_q8_0_e(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                            int out, int in, int add, const int *__restrict__ eid, int ne, int xdiv, long long wst) {
+  const int e = expert_of(eid, ne), p = blockIdx.y;
+  gemv_q8_0_body<R, 1, U>(W + e * wst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add);
+}
+template <int BMAX>
+__global__ void gemv_mxfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                                int out, int in, int nb, int add) {
+  gemv_mxfp4_ggml_body<BMAX>(W, x, y, out, in, nb, add);
+}
+__global__ void gemv_mxfp4_ggml_e(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
+                                  int out, int in, int add, const int *__restrict__ eid, int ne, int xdiv, long long wst) {
+  const int e = expert_of(eid, ne), p = blockIdx.y;
+  gemv_mxfp4_ggml_body<1>(W + e * wst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add);
 }
 """

@@ -1,0 +1,517 @@
+"""The CUDA executor: runs a rank's plan on the GPU, each program captured once into a CUDA graph.
+
+    ex = CudaExecutor(plans, artifact, {"slots": 1, "ubatch": 64, "ctx": 2048})
+    res = ex.run("decode", {"tokens": ..., "positions": ..., "slot_ids": ...}, want=("next_token",))
+    ex.reset()
+
+Contract: the NumpyExecutor's (runtime/numpy_executor.py), op by op (runtime/ops/*.py is the
+reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels).
+
+- Weights: every tensor the plan reads is uploaded once at load from the artifact's mmapped
+  shards, in its artifact layout (Artifact.gguf_arrays): no dequantized copy. The GEMV kernels
+  read the stored format; norm weights and pre_quant_scale vectors (a few KB) are float32.
+- Buffers: the plan's, allocated once with the bound shapes (state shared by both programs).
+  The input buffers (tokens, positions, slot_ids) are views into one device array, written by
+  one asynchronous copy from pinned host memory per run.
+- Each program is run once eagerly (positions -1: nothing is written to the KV cache; every
+  kernel is compiled), then captured into a CUDA graph and replayed on every run; positions,
+  slots and (through the positions) lengths are read from device memory by the kernels, so
+  nothing that changes between steps is baked into the graph. The MoE experts are chosen on the
+  device: the router's ids are read by the expert GEMV kernels (no host round trip).
+- A run's only host synchronization is reading its outputs (the next token id; the logits
+  only when asked for).
+- Prefill (ubatch rows) runs the GEMV kernels over row groups of 8 (float32, the decode
+  kernels): correct, not fast; a tensor-core dequantizing GEMM is still owed (docs/kernels.md).
+- TP = 1 only: a plan with collectives is refused (TP over NCCL is a later step).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+try:                                    # importable without CuPy (CPU machines, test collection)
+    import cupy as cp
+except Exception:                        # pragma: no cover - depends on the machine
+    cp = None
+
+from bloomery.core import plan as P
+
+from ..errors import DeviceUnavailable, PlanMismatch
+from ..ops.rope import inv_freq
+from . import gemv as G
+from . import ops as K
+
+DTYPES = {"f32": np.float32, "i32": np.int32}
+DENSE_DT = {"f32": 0, "bf16": 1, "f16": 2}
+GEMV_ROWS = 8                            # rows per GEMV launch (gemv.MAX_BATCH)
+
+
+def _dead_after(ops, j: int, buf: str) -> bool:
+    """No op from j on reads `buf` before one writes it (so its value there is never used)."""
+    for o in ops[j:]:
+        sig = P.OPS[o["op"]]
+        if any(o[k] == buf for k in (*sig.reads, *sig.state)):
+            return False
+        if any(o[k] == buf for k in sig.writes):
+            return True
+    return True
+
+
+class DeviceWeights:
+    """One rank's weights on the device, uploaded once, in the artifact's layout."""
+
+    def __init__(self, art, rank: int, names):
+        self.art, self.rank = art, rank
+        self.table = art.tensors(rank)
+        for n in names:
+            if n not in self.table:
+                raise PlanMismatch(f"{art.path}: rank {rank}'s plan reads tensor {n!r}, which the artifact does "
+                                   f"not hold; re-prepare the artifact")
+        self._raw: dict = {}
+        self._lin: dict = {}
+        self._vec: dict = {}
+        self.nbytes = 0                  # bytes uploaded
+        self.upload_s = 0.0              # time spent uploading (mmap -> device)
+
+    def raw(self, name: str) -> dict:
+        """suffix -> device array, the GGUF arrays as they lie in the artifact (input_scale left out)."""
+        if name not in self._raw:
+            arrs = self.art.gguf_arrays(name, self.rank)
+            t0 = time.perf_counter()
+            d = {}
+            for k, a in arrs.items():
+                if k == "input_scale":
+                    continue
+                d[k] = cp.asarray(a)
+                self.nbytes += int(a.nbytes)
+            cp.cuda.Device().synchronize()
+            self.upload_s += time.perf_counter() - t0
+            self._raw[name] = d
+        return self._raw[name]
+
+    def linear(self, name: str) -> G.Linear:
+        if name not in self._lin:
+            t = self.table[name]
+            arrays = {k: v for k, v in self.raw(name).items() if k != "pre_quant_scale"}
+            try:
+                self._lin[name] = G.Linear(t.format, t.shape, arrays)
+            except (KeyError, NotImplementedError) as e:
+                raise DeviceUnavailable(f"{self.art.path}: {name} ({t.format} {list(t.shape)}): no CUDA kernel "
+                                        f"reads it ({e}); use --device cpu") from None
+        return self._lin[name]
+
+    def pre_quant(self, name: str):
+        """NVFP4_AWQ's per-input scale (float32 [in] or [E, in]) or None."""
+        if "pre_quant_scale" not in self.table[name].optional:
+            return None
+        return self.raw(name)["pre_quant_scale"]
+
+    def vector(self, name: str):
+        """A small tensor (norm weight) decoded to float32 on the device."""
+        if name not in self._vec:
+            t0 = time.perf_counter()
+            v = np.ascontiguousarray(self.art.decode(name, self.rank), dtype=np.float32).reshape(-1)
+            self._vec[name] = cp.asarray(v)
+            self.nbytes += v.nbytes
+            self.upload_s += time.perf_counter() - t0
+        return self._vec[name]
+
+    def dense(self, name: str):
+        """(device array, dtype code, rows, cols) of a dense table (the embedding)."""
+        t = self.table[name]
+        if t.format not in DENSE_DT or len(t.shape) != 2:
+            raise DeviceUnavailable(f"{self.art.path}: {name} is {t.format} {list(t.shape)}; the CUDA embed kernel "
+                                    f"reads f32/bf16/f16 tables; use --device cpu")
+        return self.raw(name)["weight"], DENSE_DT[t.format], int(t.shape[0]), int(t.shape[1])
+
+
+class CudaExecutor:
+    def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None):
+        if cp is None:
+            raise DeviceUnavailable("the CUDA executor needs CuPy")
+        if len(plans) != 1 or any(P.OPS[o["op"]].collective for p in plans for prog in P.PROGRAMS
+                                  for o in p["programs"][prog]["ops"]):
+            raise DeviceUnavailable(f"{art.path}: tp={len(plans)}: the CUDA executor runs TP=1 plans only in this "
+                                    f"version (TP over NCCL is a later step); use --device cpu or prepare with --tp 1")
+        self.plan, self.art, self.symbols = plans[0], art, dict(symbols)
+        self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.k = K.kernels()
+        t0 = time.perf_counter()
+        self.w = DeviceWeights(art, 0, P.weights_of(self.plan))
+        shapes = {n: b for n, b in self.plan["buffers"].items()}
+        self.state = {n: cp.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
+                      for n, b in shapes.items() if b["kind"] == "state"}
+        self.buffers: dict[str, dict] = {}
+        self.inputs: dict[str, tuple] = {}
+        self.pinned_out: dict[str, dict] = {}
+        self.steps: dict[str, list] = {}
+        self.tags: dict[str, list] = {}      # the op (or fused ops) of each launch, for profile()
+        self.graph: dict = {}
+        self.decode_bytes = 0            # weight bytes one decode step reads (bench)
+        self._need: list = []            # (Linear, rows per launch | None: the MoE form) to compile
+        for prog, rows_sym in P.PROGRAMS.items():
+            rows = symbols[rows_sym]
+            bind = {**symbols, "rows": rows}
+            bufs = dict(self.state)
+            names_in = [n for n, b in shapes.items() if b["kind"] == "input"]
+            for n in names_in:
+                if shapes[n]["dtype"] != "i32" or P.shape(shapes[n], bind) != (rows,):
+                    raise PlanMismatch(f"input buffer {n!r}: the CUDA executor takes i32 [rows] inputs")
+            dev_in = cp.zeros(len(names_in) * rows, cp.int32)
+            host_mem = cp.cuda.alloc_pinned_memory(max(4, dev_in.nbytes))
+            host_in = np.frombuffer(host_mem, np.int32, len(names_in) * rows).reshape(len(names_in), rows)
+            for i, n in enumerate(names_in):
+                bufs[n] = dev_in[i * rows:(i + 1) * rows]
+            for n, b in shapes.items():
+                if b["kind"] not in ("state", "input"):
+                    bufs[n] = cp.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
+            self.buffers[prog] = bufs
+            self.inputs[prog] = (dev_in, host_mem, host_in, {n: i for i, n in enumerate(names_in)})
+            outs = {}
+            for n, b in shapes.items():
+                if b["kind"] == "output":
+                    a = bufs[n]
+                    m = cp.cuda.alloc_pinned_memory(max(4, a.nbytes))
+                    outs[n] = (m, np.frombuffer(m, a.dtype, a.size).reshape(a.shape))
+            self.pinned_out[prog] = outs
+            self.steps[prog] = self._bind(prog, rows)
+        self.load_s = time.perf_counter() - t0
+        self.warm_s = 0.0
+        t1 = time.perf_counter()
+        self._precompile()
+        for prog in P.PROGRAMS:
+            self._warm(prog)
+        self.warm_s = time.perf_counter() - t1
+
+    # -- binding: each op becomes a list of argument-bound launches --------------------------------
+    def _bind(self, prog: str, rows: int) -> list:
+        """The program's launches. Two fusions that change no arithmetic: a linear (or the experts) whose
+        output only feeds the next op's residual add accumulates into the residual (y += W x: the same
+        rounding as NumPy's h + o); rope of q, rope of k and attention's cache write run as one kernel."""
+        bufs = self.buffers[prog]
+        ops = self.plan["programs"][prog]["ops"]
+        steps: list = []
+        tags: list = []
+        i = 0
+        while i < len(ops):
+            op = ops[i]
+            nxt = ops[i + 1] if i + 1 < len(ops) else None
+            fn = getattr(self, f"_op_{op['op']}", None)
+            if fn is None:
+                raise DeviceUnavailable(f"{prog} op {i} ({op['op']}): no CUDA implementation")
+            if (op["op"] in ("linear", "moe_experts") and nxt is not None and nxt["op"] == "add"
+                    and _dead_after(ops, i + 2, op["out"]) and nxt["out"] in (nxt["a"], nxt["b"])
+                    and op["out"] in (nxt["a"], nxt["b"]) and nxt["out"] != op["out"] and nxt["out"] != op["x"]):
+                new = fn(op, bufs, rows, prog, acc=nxt["out"])
+                tag, i = op["op"] + "+add", i + 2
+            elif op["op"] == "rope" and self._fusable_rope(ops, i):
+                new = self._rope_qk_kv(op, nxt, ops[i + 2], bufs, rows) + \
+                    self._op_attention(ops[i + 2], bufs, rows, prog, write=False)
+                tag, i = "rope+rope+attention", i + 3
+            else:
+                new = fn(op, bufs, rows, prog)
+                tag, i = op["op"], i + 1
+            steps.extend(new)
+            tags.extend([tag] * len(new))
+        self.tags[prog] = tags
+        return steps
+
+    @staticmethod
+    def _fusable_rope(ops, i) -> bool:
+        if i + 2 >= len(ops):
+            return False
+        a, b, at = ops[i], ops[i + 1], ops[i + 2]
+        return (b["op"] == "rope" and at["op"] == "attention" and a["x"] == a["out"] == at["q"]
+                and b["x"] == b["out"] == at["k"] and a["pos"] == b["pos"] == at["pos"]
+                and a["theta"] == b["theta"] and a["head_dim"] == b["head_dim"] == at["head_dim"]
+                and a["heads"] == at["heads"] and b["heads"] == at["kv_heads"] and at["head_dim"] % 2 == 0)
+
+    def _rope_qk_kv(self, rq, rk, at, bufs, rows) -> list:
+        D, Hq, Hk = int(at["head_dim"]), int(at["heads"]), int(at["kv_heads"])
+        invf = cp.asarray(inv_freq(float(rq["theta"]), D))
+        ck = bufs[at["cache_k"]]
+        kern = self.k["rope_qk_kv_k"]
+        args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
+                bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(ck.shape[1]))
+        grid = K.grid1d(rows * (Hq + Hk) * (D // 2))
+        return [lambda: kern(grid, (256,), args)]
+
+    def _precompile(self) -> None:
+        """Every GEMV kernel the programs launch, compiled in one NVRTC module (one compile, not one per
+        kernel; gemv.compile_kernels caches per process, CuPy on disk)."""
+        names = {}
+        for lin, nb in self._need:
+            if nb is None:
+                c = lin.config or G.default_config(lin.kind, lin.out, lin.inn, 1)
+                names[G.kernel_name(lin.kind, c.R, 1, c.U, c.WPC, experts=True)] = None
+            else:
+                c = lin.config or G.default_config(lin.kind, lin.out, lin.inn, nb)
+                names[G.kernel_name(lin.kind, c.R, G.batch_bucket(nb), c.U, c.WPC)] = None
+        if names:
+            G.compile_kernels(list(names))
+
+    def _scratch(self, shape, dtype=np.float32):
+        return cp.zeros(shape, dtype)
+
+    def _gemv(self, lin: G.Linear, x, y, rows: int, accumulate: bool = False) -> list:
+        """y[:rows] = W x[:rows] (+ y), in launches of at most 8 rows."""
+        steps = []
+        for g in range(0, rows, GEMV_ROWS):
+            nb = min(GEMV_ROWS, rows - g)
+            self._need.append((lin, nb))
+            xv, yv = x[g:g + nb], y[g:g + nb]
+            steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb: lin.launch(xv, yv, nb, accumulate))
+        return steps
+
+    def _op_embed(self, op, bufs, rows, prog):
+        table, dt, vocab, n = self.w.dense(op["weight"])
+        ids, out = bufs[op["ids"]], bufs[op["out"]]
+        kern = self.k[f"embed_k<{dt}>"]
+        grid = (max(1, min(64, -(-n // 256))), rows)
+        args = (table, ids, out, np.int32(vocab), np.int32(n))
+        if prog == "decode":
+            self.decode_bytes += n * (4 if dt == 0 else 2) * rows
+        return [lambda: kern(grid, (256,), args)]
+
+    def _op_rmsnorm(self, op, bufs, rows, prog):
+        x, out = bufs[op["x"]], bufs[op["out"]]
+        g = int(op["group"])
+        w = self.w.vector(op["weight"])
+        if w.size != g or x.size % g:
+            raise PlanMismatch(f"rmsnorm {op['weight']}: weight of {w.size} values, group {g}, row {x.shape[-1]}")
+        groups = x.size // g
+        T = 512 if g >= 2048 else 256 if g >= 256 else max(32, -(-g // 32) * 32)
+        kern = self.k["rmsnorm_k"]
+        args = (x, out, w, np.int32(g), np.float32(op["eps"]))
+        return [lambda: kern((groups,), (T,), args)]
+
+    def _op_linear(self, op, bufs, rows, prog, acc=None):
+        name = op["weight"]
+        lin = self.w.linear(name)
+        x, y = bufs[op["x"]], bufs[acc or op["out"]]
+        steps = []
+        pq = self.w.pre_quant(name)
+        if pq is not None:
+            xs = self._scratch(x.shape)
+            kern = self.k["scale_cols_k"]
+            args = (x, pq.reshape(-1), xs, np.int32(rows), np.int32(x.shape[-1]))
+            grid = K.grid1d(x.size)
+            steps.append(lambda: kern(grid, (256,), args))
+            x = xs
+        if prog == "decode":
+            self.decode_bytes += lin.nbytes + (pq.nbytes if pq is not None else 0)
+        return steps + self._gemv(lin, x, y, rows, accumulate=acc is not None)
+
+    def _op_logits(self, op, bufs, rows, prog):
+        t = self.w.table[op["weight"]]
+        if "rows" in op and tuple(op["rows"]) != (0, int(t.shape[0])):
+            raise DeviceUnavailable("logits over a share of the table's rows (TP) is not on the CUDA executor yet")
+        lin = self.w.linear(op["weight"])
+        if prog == "decode":
+            self.decode_bytes += lin.nbytes
+        return self._gemv(lin, bufs[op["x"]], bufs[op["out"]], rows)
+
+    def _op_rope(self, op, bufs, rows, prog):
+        x, out, pos = bufs[op["x"]], bufs[op["out"]], bufs[op["pos"]]
+        H, D = int(op["heads"]), int(op["head_dim"])
+        invf = cp.asarray(inv_freq(float(op["theta"]), D))
+        n = rows * H * (D // 2)
+        kern = self.k["rope_k"]
+        args = (x, out, pos, invf, np.int32(rows), np.int32(H), np.int32(D))
+        grid = K.grid1d(n)
+        return [lambda: kern(grid, (256,), args)]
+
+    def _op_attention(self, op, bufs, rows, prog, write: bool = True):
+        H, KV, D = int(op["heads"]), int(op["kv_heads"]), int(op["head_dim"])
+        if H % KV or D % 4 or D > 256:
+            raise DeviceUnavailable(f"attention heads {H}, kv_heads {KV}, head_dim {D}: the CUDA kernel needs "
+                                    f"heads % kv_heads == 0, head_dim % 4 == 0 and <= 256")
+        q, k, v = bufs[op["q"]], bufs[op["k"]], bufs[op["v"]]
+        pos, slot, out = bufs[op["pos"]], bufs[op["slot"]], bufs[op["out"]]
+        ck, cv = bufs[op["cache_k"]], bufs[op["cache_v"]]
+        ctx = int(ck.shape[1])
+        kw, ka = self.k["kv_write_k"], self.k[f"attention_k<{next(d for d in (1, 2, 4, 8) if 32 * d >= D)}>"]
+        nw = 8
+        smem = 4 * (D + 2 * nw + nw * D)
+        wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
+        aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
+                 np.float32(op["scale"]))
+        attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
+        return [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
+
+    def _op_swiglu(self, op, bufs, rows, prog):
+        g, u, out = bufs[op["gate"]], bufs[op["up"]], bufs[op["out"]]
+        kern, args = self.k["swiglu_k"], (g, u, out, np.int32(g.size))
+        grid = K.grid1d(g.size)
+        return [lambda: kern(grid, (256,), args)]
+
+    def _op_add(self, op, bufs, rows, prog):
+        a, b, out = bufs[op["a"]], bufs[op["b"]], bufs[op["out"]]
+        kern, args = self.k["add_k"], (a, b, out, np.int32(a.size))
+        grid = K.grid1d(a.size)
+        return [lambda: kern(grid, (256,), args)]
+
+    def _op_argmax(self, op, bufs, rows, prog):
+        x, out = bufs[op["x"]], bufs[op["out"]]
+        kern, args = self.k["argmax_k"], (x, out, np.int32(x.shape[-1]))
+        return [lambda: kern((rows,), (1024,), args)]
+
+    def _op_moe_router(self, op, bufs, rows, prog):
+        lin = self.w.linear(op["weight"])
+        E, k = lin.out, int(op["top_k"])
+        lg = self._scratch((rows, E))
+        steps = self._gemv(lin, bufs[op["x"]], lg, rows)
+        kern = self.k["moe_topk_k"]
+        args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
+        if prog == "decode":
+            self.decode_bytes += lin.nbytes
+        return steps + [lambda: kern((rows,), (32,), args, shared_mem=4 * E)]
+
+    def _op_moe_experts(self, op, bufs, rows, prog, acc=None):
+        gate, up, down = (self.w.linear(op[n]) for n in ("gate", "up", "down"))
+        k, E = int(op["top_k"]), int(op["experts"])
+        if not (gate.experts == up.experts == down.experts == E):
+            raise PlanMismatch(f"moe_experts {op['gate']}: {gate.experts} experts stacked, the plan says {E}")
+        x, ids, wts, out = bufs[op["x"]], bufs[op["ids"]], bufs[op["weights"]], bufs[acc or op["out"]]
+        pairs, inter, hidden = rows * k, gate.out, down.out
+        g, u, d = self._scratch((pairs, inter)), self._scratch((pairs, inter)), self._scratch((pairs, hidden))
+        sce = self.k["scale_cols_e_k"]
+        steps = []
+
+        def scaled(name, src, n, xdiv):          # the experts' pre_quant_scale, chosen by the ids
+            pq = self.w.pre_quant(op[name])
+            if pq is None:
+                return src, xdiv
+            dst = self._scratch((pairs, n))
+            args = (src, pq.reshape(-1), ids, dst, np.int32(n), np.int32(xdiv), np.int32(E))
+            grid = (max(1, min(64, -(-n // 256))), pairs)
+            steps.append(lambda: sce(grid, (256,), args))
+            return dst, 1
+
+        self._need += [(gate, None), (up, None), (down, None)]
+        xg, dg = scaled("gate", x, x.shape[-1], k)
+        steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
+        xu, du = scaled("up", x, x.shape[-1], k)
+        steps.append(lambda: up.launch_experts(xu, u, ids, pairs, du))
+        sw = self.k["swiglu_k"]
+        swargs = (g, u, g, np.int32(g.size))
+        swgrid = K.grid1d(g.size)
+        steps.append(lambda: sw(swgrid, (256,), swargs))
+        xd, dd = scaled("down", g, inter, 1)
+        steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
+        cb = self.k["moe_combine_k"]
+        cargs = (d, wts, out, np.int32(rows), np.int32(k), np.int32(hidden), np.int32(acc is not None))
+        cgrid = K.grid1d(rows * hidden)
+        steps.append(lambda: cb(cgrid, (256,), cargs))
+        if prog == "decode":
+            self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
+        return steps
+
+    def _op_all_reduce(self, op, bufs, rows, prog):      # refused in __init__; kept for the message
+        raise DeviceUnavailable("all_reduce: TP on the CUDA executor is a later step")
+
+    _op_all_gather = _op_all_reduce
+
+    # -- running ------------------------------------------------------------------------------------
+    def rows(self, prog: str) -> int:
+        return self.symbols[P.PROGRAMS[prog]]
+
+    def _set_inputs(self, prog: str, inputs: dict) -> None:
+        dev_in, host_mem, host_in, index = self.inputs[prog]
+        for n, v in inputs.items():
+            host_in[index[n]] = v
+        cp.cuda.runtime.memcpyAsync(dev_in.data.ptr, host_mem.ptr, dev_in.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def _launch(self, prog: str) -> None:
+        g = self.graph.get(prog)
+        if g is not None:
+            g.launch(self.stream)
+        else:
+            with self.stream:
+                for f in self.steps[prog]:
+                    f()
+
+    def _warm(self, prog: str) -> None:
+        """One eager run with every row inactive (compiles every kernel, writes no cache), then the
+        capture of the program into a CUDA graph."""
+        rows = self.rows(prog)
+        _, _, host_in, index = self.inputs[prog]
+        with self.stream:
+            self._set_inputs(prog, {n: (np.full(rows, -1, np.int32) if n == "positions" else np.zeros(rows, np.int32))
+                                    for n in index})
+            for f in self.steps[prog]:
+                f()
+        self.stream.synchronize()
+        if self.graphs:
+            s = self.stream
+            with s:
+                s.begin_capture()
+                try:
+                    for f in self.steps[prog]:
+                        f()
+                finally:
+                    graph = s.end_capture()
+            self.graph[prog] = graph
+            graph.launch(s)              # a replay with the inactive inputs: checks the graph runs
+            s.synchronize()
+
+    def run(self, prog: str, inputs: dict, want=None) -> dict:
+        """Sets the inputs, replays the program, returns the outputs in `want` (default: all) as host
+        arrays (views of pinned buffers, valid until the next run of this program)."""
+        self._set_inputs(prog, inputs)
+        self._launch(prog)
+        outs = self.pinned_out[prog]
+        want = tuple(outs) if want is None else tuple(want)
+        bufs = self.buffers[prog]
+        for n in want:
+            m, h = outs[n]
+            a = bufs[n]
+            cp.cuda.runtime.memcpyAsync(m.ptr, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                                        self.stream.ptr)
+        self.stream.synchronize()
+        return {n: outs[n][1] for n in want}
+
+    def profile(self, prog: str = "decode", reps: int = 20) -> dict:
+        """Device time per op kind (ms per run): the launches of each kind captured into a graph of their
+        own and replayed `reps` times (inputs as the last run left them)."""
+        res = {}
+        s = self.stream
+        for tag in dict.fromkeys(self.tags[prog]):
+            fns = [f for f, t in zip(self.steps[prog], self.tags[prog]) if t == tag]
+            with s:
+                s.begin_capture()
+                try:
+                    for f in fns:
+                        f()
+                finally:
+                    g = s.end_capture()
+            g.launch(s)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            for _ in range(reps):
+                g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            res[tag] = (cp.cuda.get_elapsed_time(e0, e1) / reps, len(fns))
+        return res
+
+    def device_outputs(self, prog: str) -> dict:
+        """The output buffers on the device (no copy)."""
+        return {n: self.buffers[prog][n] for n in self.pinned_out[prog]}
+
+    def reset(self, slot: int | None = None) -> None:
+        with self.stream:
+            for a in self.state.values():
+                if slot is None:
+                    a.fill(0)
+                else:
+                    a[slot] = 0
+        self.stream.synchronize()
+
+    def weight_nbytes(self) -> int:
+        return self.w.nbytes

@@ -1,0 +1,327 @@
+"""CUDA C++ source of the plan's non-linear ops (compiled by NVRTC through cupy.RawModule).
+
+Each kernel implements the contract of its NumPy op in runtime/ops/ (float32 arithmetic, the
+same order of operations where it matters: products are not fused into adds where NumPy rounds
+the product first). Every length, position and slot is read from device memory, so one captured
+CUDA graph serves every step. Linears (and the MoE experts, the router's logits and the output
+head) are the GEMV kernels of gemv_src.py.
+"""
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ float bf16f(u16 v) { return __uint_as_float(((u32)v) << 16); }
+__device__ __forceinline__ float f16f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
+
+// block-wide sum (blockDim.x a multiple of 32, <= 1024); every thread gets the total
+__device__ __forceinline__ float block_sum(float v, float *sh) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int i = 0; i < nw; i++) t += sh[i];
+  return t;
+}
+
+// embed: out[r, :] = table[ids[r], :] (ids outside [0, vocab) read row 0); DT 0 f32, 1 bf16, 2 f16
+template <int DT>
+__global__ void embed_k(const void *__restrict__ table, const int *__restrict__ ids, float *__restrict__ out,
+                        int vocab, int n) {
+  const int r = blockIdx.y;
+  int id = ids[r];
+  if (id < 0 || id >= vocab) id = 0;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    float v;
+    if (DT == 0) v = ((const float *)table)[(size_t)id * n + i];
+    else if (DT == 1) v = bf16f(((const u16 *)table)[(size_t)id * n + i]);
+    else v = f16f(((const u16 *)table)[(size_t)id * n + i]);
+    out[(size_t)r * n + i] = v;
+  }
+}
+
+// rmsnorm over groups of g values: one block per group (blockIdx.x = row * groups + group)
+__global__ void rmsnorm_k(const float *__restrict__ x, float *__restrict__ out, const float *__restrict__ w,
+                          int g, float eps) {
+  __shared__ float sh[32];
+  const float *px = x + (size_t)blockIdx.x * g;
+  float *po = out + (size_t)blockIdx.x * g;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < g; i += blockDim.x) { const float v = px[i]; ss = fmaf(v, v, ss); }
+  ss = block_sum(ss, sh);                    // every read of x is done (in place is safe)
+  const float var = ss / (float)g;
+  const float inv = 1.0f / sqrtf(var + eps);
+  for (int i = threadIdx.x; i < g; i += blockDim.x) po[i] = __fmul_rn(__fmul_rn(px[i], inv), w[i]);
+}
+
+// rope (HF rotate_half): one thread per (row, head, i < D/2); angle = float(max(pos, 0)) * inv_freq[i]
+__global__ void rope_k(const float *__restrict__ x, float *__restrict__ out, const int *__restrict__ pos,
+                       const float *__restrict__ invf, int rows, int heads, int D) {
+  const int half = D / 2;
+  const int n = rows * heads * half;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += gridDim.x * blockDim.x) {
+    const int i = idx % half, rh = idx / half, r = rh / heads;
+    const int p = max(pos[r], 0);
+    const float a = __fmul_rn((float)p, invf[i]);
+    float s, c;
+    sincosf(a, &s, &c);
+    const size_t b = (size_t)rh * D;
+    const float x1 = x[b + i], x2 = x[b + i + half];
+    out[b + i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    out[b + i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+  }
+}
+
+// rope of q and of k, then k (roped) and v written at cache[slot, pos]: three launches in one (the
+// executor fuses rope q, rope k and attention's cache write when the plan has them in a row)
+__global__ void rope_qk_kv_k(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
+                             const int *__restrict__ pos, const int *__restrict__ slot, const float *__restrict__ invf,
+                             float *__restrict__ ck, float *__restrict__ cv, int rows, int Hq, int Hk, int D, int ctx) {
+  const int half = D / 2;
+  const int nq = rows * Hq * half, n = nq + rows * Hk * half;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += gridDim.x * blockDim.x) {
+    const bool isq = idx < nq;
+    const int j = isq ? idx : idx - nq, H = isq ? Hq : Hk;
+    const int i = j % half, rh = j / half, r = rh / H, h = rh % H;
+    const int pr = pos[r], p = max(pr, 0);
+    const float a = __fmul_rn((float)p, invf[i]);
+    float s, c;
+    sincosf(a, &s, &c);
+    float *x = isq ? q : k;
+    const size_t b = (size_t)rh * D;
+    const float x1 = x[b + i], x2 = x[b + i + half];
+    const float y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+    x[b + i] = y1;
+    x[b + i + half] = y2;
+    if (!isq && pr >= 0 && pr < ctx) {
+      const size_t cb = ((size_t)slot[r] * ctx + pr) * ((size_t)Hk * D) + (size_t)h * D;
+      ck[cb + i] = y1; ck[cb + i + half] = y2;
+      cv[cb + i] = v[b + i]; cv[cb + i + half] = v[b + i + half];
+    }
+  }
+}
+
+// the KV-cache write of attention: every active row's k, v at cache[slot, pos] (grid: rows)
+__global__ void kv_write_k(const float *__restrict__ k, const float *__restrict__ v, const int *__restrict__ pos,
+                           const int *__restrict__ slot, float *__restrict__ ck, float *__restrict__ cv,
+                           int n, int ctx) {
+  const int r = blockIdx.x, p = pos[r];
+  if (p < 0 || p >= ctx) return;
+  const size_t base = ((size_t)slot[r] * ctx + p) * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    ck[base + i] = k[(size_t)r * n + i];
+    cv[base + i] = v[(size_t)r * n + i];
+  }
+}
+
+// attention of one (query head, row) per block over cache[slot, 0..pos] (the length is the row's
+// position, read here). A warp takes 32 keys at a time, a lane per key for the scores (q in shared
+// memory), then the tile's softmax weights are broadcast lane by lane to accumulate V (a lane per
+// head_dim element); online softmax per warp, then the warps are merged. Inactive rows: zeros.
+// D % 4 == 0, D <= 32 * DPL.
+template <int DPL>
+__global__ void attention_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
+                            const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+                            int H, int KV, int D, int ctx, float scale) {
+  extern __shared__ float sh[];
+  const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int p = pos[r];
+  float *o = out + ((size_t)r * H + h) * D;
+  if (p < 0) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = 0.f;
+    return;
+  }
+  const int pe = min(p, ctx - 1);
+  const int s = slot[r], kvh = h / (H / KV);
+  const size_t rs = (size_t)KV * D;
+  const float *K = ck + (size_t)s * ctx * rs + (size_t)kvh * D;
+  const float *V = cv + (size_t)s * ctx * rs + (size_t)kvh * D;
+  float *qs = sh, *wm = sh + D, *wl = wm + nw, *wacc = wl + nw;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = q[((size_t)r * H + h) * D + i];
+  __syncthreads();
+  float m = NEG_INF, l = 0.f, acc[DPL];
+#pragma unroll
+  for (int i = 0; i < DPL; i++) acc[i] = 0.f;
+  for (int t0 = w * 32; t0 <= pe; t0 += nw * 32) {
+    const int t = t0 + lane;
+    float sc = NEG_INF;
+    if (t <= pe) {
+      const float *kr = K + (size_t)t * rs;
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32 * DPL; i += 4) {      // unrolled: the row's loads are independent, all in flight
+        if (i < D) {
+          const float4 kv = *reinterpret_cast<const float4 *>(kr + i);
+          d = fmaf(qs[i], kv.x, d); d = fmaf(qs[i + 1], kv.y, d); d = fmaf(qs[i + 2], kv.z, d); d = fmaf(qs[i + 3], kv.w, d);
+        }
+      }
+      sc = d * scale;
+    }
+    float tm = sc;
+#pragma unroll
+    for (int o2 = 16; o2; o2 >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o2));
+    const float mn = fmaxf(m, tm);
+    const float c = expf(m - mn);
+    const float e = (t <= pe) ? expf(sc - mn) : 0.f;
+    float es = e;
+#pragma unroll
+    for (int o2 = 16; o2; o2 >>= 1) es += __shfl_xor_sync(0xffffffffu, es, o2);
+    l = l * c + es;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) acc[i] *= c;
+    const int nt = min(32, pe - t0 + 1);
+    for (int jb = 0; jb < nt; jb += 8) {          // 8 keys' V rows loaded before they are used (in flight)
+      float vv[8][DPL];
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const float *vr = V + (size_t)(t0 + jb + u) * rs;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+          const int d = lane + 32 * i;
+          vv[u][i] = (jb + u < nt && d < D) ? vr[d] : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const float pj = __shfl_sync(0xffffffffu, e, (jb + u) & 31);
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[i] = fmaf(pj, vv[u][i], acc[i]);
+      }
+    }
+    m = mn;
+  }
+  if (lane == 0) { wm[w] = m; wl[w] = l; }
+#pragma unroll
+  for (int i = 0; i < DPL; i++) {
+    const int d = lane + 32 * i;
+    if (d < D) wacc[w * D + d] = acc[i];
+  }
+  __syncthreads();
+  float M = NEG_INF;
+  for (int i = 0; i < nw; i++) M = fmaxf(M, wm[i]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    for (int i = 0; i < nw; i++) {
+      const float f = expf(wm[i] - M);
+      num = fmaf(wacc[i * D + d], f, num);
+      den = fmaf(wl[i], f, den);
+    }
+    o[d] = num / den;
+  }
+}
+
+// swiglu: out = silu(gate) * up, silu(x) = x / (1 + exp(-x))
+__global__ void swiglu_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float a = g[i];
+    out[i] = __fmul_rn(a / (1.0f + expf(-a)), u[i]);
+  }
+}
+
+__global__ void add_k(const float *__restrict__ a, const float *__restrict__ b, float *__restrict__ out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = a[i] + b[i];
+}
+
+// pre_quant_scale: out[r, i] = x[r, i] * pq[i]
+__global__ void scale_cols_k(const float *__restrict__ x, const float *__restrict__ pq, float *__restrict__ out,
+                             int rows, int n) {
+  const int total = rows * n;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x)
+    out[i] = __fmul_rn(x[i], pq[i % n]);
+}
+
+// the experts' pre_quant_scale: out[p, i] = x[p / xdiv, i] * pq[ids[p], i] (grid.y = pairs)
+__global__ void scale_cols_e_k(const float *__restrict__ x, const float *__restrict__ pq, const int *__restrict__ ids,
+                               float *__restrict__ out, int n, int xdiv, int ne) {
+  const int p = blockIdx.y;
+  int e = ids[p];
+  e = e < 0 ? 0 : (e >= ne ? ne - 1 : e);
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    out[(size_t)p * n + i] = __fmul_rn(x[(size_t)(p / xdiv) * n + i], pq[(size_t)e * n + i]);
+}
+
+// moe_router after its GEMV: one warp per row over E logits: softmax (max subtracted), the top k
+// (largest first, ties to the lower index), renormalised when norm. Shared: E floats.
+__global__ void moe_topk_k(const float *__restrict__ logits, int *__restrict__ ids, float *__restrict__ wts,
+                           int E, int k, int norm) {
+  extern __shared__ float pr[];
+  const int r = blockIdx.x, lane = threadIdx.x;
+  const float *lg = logits + (size_t)r * E;
+  float mx = NEG_INF;
+  for (int i = lane; i < E; i += 32) mx = fmaxf(mx, lg[i]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int i = lane; i < E; i += 32) { const float e = expf(lg[i] - mx); pr[i] = e; sum += e; }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  for (int i = lane; i < E; i += 32) pr[i] = pr[i] / sum;
+  __syncwarp();
+  float tot = 0.f;
+  for (int j = 0; j < k; j++) {
+    float bv = -1.f; int bi = 0x7fffffff;
+    for (int i = lane; i < E; i += 32) { const float v = pr[i]; if (v > bv) { bv = v; bi = i; } }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { ids[r * k + j] = bi; wts[r * k + j] = bv; pr[bi] = -2.f; }
+    tot += bv;
+    __syncwarp();
+  }
+  if (norm && lane == 0)
+    for (int j = 0; j < k; j++) wts[r * k + j] = wts[r * k + j] / tot;
+}
+
+// moe_experts' sum: out[r, i] = sum_j wts[r, j] * y[r * k + j, i]
+__global__ void moe_combine_k(const float *__restrict__ y, const float *__restrict__ wts, float *__restrict__ out,
+                              int rows, int k, int n, int add) {
+  const int total = rows * n;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    const int r = idx / n, i = idx % n;
+    float a = 0.f;
+    for (int j = 0; j < k; j++) a = fmaf(wts[r * k + j], y[((size_t)r * k + j) * n + i], a);
+    out[idx] = add ? out[idx] + a : a;
+  }
+}
+
+// argmax: the first index of each row's largest value (one block per row)
+__device__ __forceinline__ bool better(float ov, int oi, float bv, int bi) {
+  return oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi));
+}
+__global__ void argmax_k(const float *__restrict__ x, int *__restrict__ out, int n) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float *px = x + (size_t)blockIdx.x * n;
+  float bv = NEG_INF; int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) { const float v = px[i]; if (better(v, i, bv, bi)) { bv = v; bi = i; } }
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+  }
+  if (lane == 0) { sv[w] = bv; si[w] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float v = sv[0]; int b = si[0];
+    for (int i = 1; i < nw; i++) if (better(sv[i], si[i], v, b)) { v = sv[i]; b = si[i]; }
+    out[blockIdx.x] = b == 0x7fffffff ? 0 : b;
+  }
+}
+
+// the device-fed greedy step (generation without a host write per token): tokens = next_token,
+// positions += 1 for active rows
+__global__ void advance_k(const int *__restrict__ next, int *__restrict__ tokens, int *__restrict__ pos, int rows) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r < rows) { tokens[r] = next[r]; if (pos[r] >= 0) pos[r] += 1; }
+}
+"""

@@ -1,0 +1,154 @@
+"""GPU gates: the CUDA executor against the NumPy executor on the same artifacts.
+
+    python -m bloomery.tools.gpu_gates ART [ART ...] [--steps 256] [--tf 320] [--out DIR]
+    python -m bloomery.tools.gpu_gates --synthetic smollm2-135m --steps 64     # made and prepared here
+
+Per artifact:
+- greedy: the same prompt on both executors, then `--steps` decode steps, each executor fed its
+  own greedy token: the token sequences must be equal, and while they are, the logits' relative
+  L2 (||cuda - numpy|| / ||numpy||) <= 1e-3 at every step. At a divergence the NumPy logits'
+  top-2 margin there is printed (a near-tie flips on rounding).
+- teacher-forced: `--tf` random token ids through prefill (ubatch rows, the prefill program) on
+  both: relative L2 per position <= 1e-3 and the argmax agreement.
+Prints one row per artifact and a table last; exit status 1 if any gate fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BAND = 1e-3
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    r = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return r if np.isfinite(r) else float("inf")          # NaN never passes
+
+
+def gate(art: Path, steps: int, tf: int, seed: int = 0, ubatch: int = 64) -> dict:
+    from bloomery.runtime import Engine, logits
+
+    res = {"artifact": art.name, "steps": steps, "tf": tf}
+    t0 = time.perf_counter()
+    cu = Engine(art, device="cuda", ctx=max(steps + 40, tf + 8), ubatch=ubatch)
+    res["cuda_load_s"] = round(time.perf_counter() - t0, 3)
+    npx = Engine(art, device="cpu", ctx=max(steps + 40, tf + 8), ubatch=ubatch)
+    rng = np.random.default_rng(seed)
+    V = cu.vocab_size
+    prompt = [int(i) for i in rng.integers(0, V, 12)]
+    # greedy
+    a_last, b_last = cu.prefill(prompt, last_only=True), npx.prefill(prompt, last_only=True)
+    worst = rel(a_last, b_last)
+    ta, tb = int(np.argmax(a_last)), int(np.argmax(b_last))
+    toks_a, toks_b = [ta], [tb]
+    diverged = None
+    t_cuda = 0.0
+    for i in range(steps):
+        t1 = time.perf_counter()
+        la, na = cu.decode([toks_a[-1]])
+        t_cuda += time.perf_counter() - t1
+        lb, nb = npx.decode([toks_b[-1]])
+        if diverged is None:
+            worst = max(worst, rel(la[0], lb[0]))
+            if int(na[0]) != int(np.argmax(la[0])):
+                res.setdefault("errors", []).append(f"step {i}: device argmax {int(na[0])} != argmax of its logits")
+        toks_a.append(int(na[0]))
+        toks_b.append(int(nb[0]))
+        if diverged is None and toks_a[-1] != toks_b[-1]:
+            s = np.sort(lb[0])[::-1]
+            diverged = {"step": i, "cuda": toks_a[-1], "numpy": toks_b[-1], "numpy_top2_margin": float(s[0] - s[1]),
+                        "logit_scale": float(np.abs(lb[0]).max())}
+    res["greedy_equal"] = sum(int(x == y) for x, y in zip(toks_a, toks_b))
+    res["greedy_total"] = len(toks_a)
+    res["greedy_rel_l2_max"] = worst
+    res["diverged"] = diverged
+    res["cuda_decode_tok_s"] = round(steps / t_cuda, 1) if t_cuda else 0.0
+    # teacher-forced (the prefill program)
+    if tf:
+        ids = [int(i) for i in rng.integers(0, V, tf)]
+        t1 = time.perf_counter()
+        xa = logits(cu, ids)
+        res["cuda_prefill_tok_s"] = round(tf / (time.perf_counter() - t1), 1)
+        xb = logits(npx, ids)
+        per = [rel(xa[i], xb[i]) for i in range(tf)]
+        res["tf_rel_l2_max"] = max(per)
+        res["tf_argmax_agree"] = float(np.mean(np.argmax(xa, -1) == np.argmax(xb, -1)))
+    res["pass"] = bool(diverged is None and worst <= BAND and not res.get("errors")
+                       and (not tf or res["tf_rel_l2_max"] <= BAND))
+    return res
+
+
+def synthetic_artifact(shape: str, fmt: str, root: Path, layers: int | None = None) -> Path:
+    from bloomery.compiler.prepare import prepare
+    from bloomery.tools import synthetic
+    ck = root / f"{shape}-{fmt}-ckpt"
+    art = root / f"{shape}-{fmt}"
+    if not art.exists():
+        synthetic.write(shape, ck, fmt, layers=layers)
+        prepare(ck, art, progress=False)
+    return art
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifacts", nargs="*", type=Path)
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--tf", type=int, default=320, help="teacher-forced positions (0: skip)")
+    ap.add_argument("--synthetic", nargs="*", default=[], help="shapes of tools/synthetic.py, made here (NVFP4)")
+    ap.add_argument("--synthetic-steps", type=int, default=64)
+    ap.add_argument("--work", type=Path, default=None, help="where synthetic checkpoints go")
+    ap.add_argument("--out", type=Path, default=None, help="write gates.json here")
+    a = ap.parse_args(argv)
+    rows = []
+    for art in a.artifacts:
+        try:
+            r = gate(art, a.steps, a.tf)
+        except Exception as e:                       # one broken artifact does not hide the others
+            import traceback
+            traceback.print_exc()
+            r = {"artifact": art.name, "pass": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    work = a.work or Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-"))
+    for shape in a.synthetic:
+        try:
+            t0 = time.perf_counter()
+            art = synthetic_artifact(shape, "nvfp4", work)
+            print(f"{shape}: synthetic + prepare {time.perf_counter() - t0:.1f} s", flush=True)
+            r = gate(art, a.synthetic_steps, 0)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            r = {"artifact": f"{shape}-nvfp4", "pass": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "gates.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print("| artifact | greedy equal | max rel L2 (decode) | tf max rel L2 | tf argmax agree | cuda decode tok/s | pass |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['artifact']} | ERROR {r['error'][:80]} | | | | | FAIL |")
+            continue
+        tfx = f"{r['tf_rel_l2_max']:.1e}" if "tf_rel_l2_max" in r else "-"
+        tfa = f"{100 * r['tf_argmax_agree']:.1f}%" if "tf_argmax_agree" in r else "-"
+        div = "" if not r["diverged"] else f" (first diff step {r['diverged']['step']}, margin {r['diverged']['numpy_top2_margin']:.2e})"
+        print(f"| {r['artifact']} | {r['greedy_equal']}/{r['greedy_total']}{div} | {r['greedy_rel_l2_max']:.1e} | {tfx} | "
+              f"{tfa} | {r['cuda_decode_tok_s']} | {'PASS' if r['pass'] else 'FAIL'} |")
+    ok = all(r["pass"] for r in rows)
+    print(f"{sum(r['pass'] for r in rows)}/{len(rows)} passed")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
