@@ -24,27 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bloomery.runtime.cuda.bandwidth import copy_bandwidth
+
 
 def log(*a):
     print(*a, flush=True)
-
-
-def copy_bandwidth(nbytes=2 << 30, reps=10) -> float:
-    import cupy as cp
-    a = cp.ones(nbytes // 4, cp.float32)
-    b = cp.empty_like(a)
-    s = cp.cuda.Stream(non_blocking=True)
-    ts = []
-    for _ in range(reps + 2):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-        e1.record(s)
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
-    del a, b
-    cp.get_default_memory_pool().free_all_blocks()
-    return 2 * nbytes / float(np.median(ts[2:]))
 
 
 def bench_cuda(art: Path, steps: int, prompt_len: int = 16) -> dict:

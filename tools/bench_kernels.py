@@ -29,6 +29,7 @@ import numpy as np
 import cupy as cp
 
 from bloomery.runtime.cuda import gemv as G
+from bloomery.runtime.cuda.bandwidth import copy_bandwidth
 
 SMOL = [(576, 1536), (1536, 576), (49152, 576)]
 LLAMA = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
@@ -186,25 +187,6 @@ def check_one(lin, W64, nb, accumulate=False, ref_abs=None):
 
 
 # -- timing ------------------------------------------------------------------------------------
-
-def copy_bandwidth(nbytes=2 << 30, reps=10):
-    a = cp.empty(nbytes, dtype=cp.uint8)
-    b = cp.empty(nbytes, dtype=cp.uint8)
-    a.fill(1)
-    s = cp.cuda.Stream(non_blocking=True)
-    ts = []
-    for i in range(reps + 2):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-        e1.record(s)
-        e1.synchronize()
-        if i >= 2:
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
-    del a, b
-    cp.get_default_memory_pool().free_all_blocks()
-    return 2 * nbytes / float(np.median(ts))
-
 
 def time_linears(lins, x, y, nb, n=None, reps=5):
     """Median seconds per launch of a graph of n launches rotating over lins."""
