@@ -20,6 +20,14 @@ def cuda_unavailable() -> str | None:
     return None if n > 0 else "no CUDA GPU"
 
 
+def gpu_count() -> int:
+    """CUDA GPUs CuPy can see (0 without CuPy or a driver)."""
+    if cuda_unavailable() is not None:
+        return 0
+    import cupy
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
 def gpu_present() -> bool:
     """A CUDA GPU that CuPy can see."""
     return cuda_unavailable() is None

@@ -45,12 +45,15 @@ class Engine:
                  ubatch: int = DEFAULT_UBATCH, threads: int | None = 1):
         self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact))
         self.device = devices.resolve(device)
-        if self.device == "cuda" and self.art.tp > 1:       # the CUDA executor is TP=1 in this version
-            if device == "auto":
-                self.device = "cpu"
-            else:
-                raise DeviceUnavailable(f"{self.art.path}: tp={self.art.tp}: the CUDA executor runs TP=1 "
-                                        f"artifacts only in this version; use --device cpu or prepare with --tp 1")
+        if self.device == "cuda" and self.art.tp > 1:       # one process per rank, rank r on GPU r
+            n = devices.gpu_count()
+            if n < self.art.tp:
+                if device == "auto":
+                    self.device = "cpu"
+                else:
+                    raise DeviceUnavailable(f"{self.art.path}: tp={self.art.tp}: the CUDA executor runs one rank "
+                                            f"per GPU and {n} GPU(s) are present; use --device cpu or prepare "
+                                            f"with --tp 1")
         if threads is not None:
             blas.set_threads(threads)          # runtime/blas.py: why one thread by default
         self.plans = read_plans(self.art)
@@ -63,10 +66,16 @@ class Engine:
         self.slots, self.ubatch = slots, ubatch
         symbols = {"slots": slots, "ubatch": ubatch, "ctx": self.ctx}
         if self.device == "cuda":
-            from .cuda.executor import CudaExecutor       # imports CuPy
             self.weights = None
             self._check_formats()
-            self.exec = CudaExecutor(self.plans, self.art, symbols)
+            if self.art.tp > 1:
+                from .cuda.tp import TpCudaExecutor       # the ranks' processes (runtime/cuda/tp.py)
+                from .numpy_executor import _check_lockstep
+                _check_lockstep(self.plans)
+                self.exec = TpCudaExecutor(self.art.path, self.art.tp, symbols)
+            else:
+                from .cuda.executor import CudaExecutor   # imports CuPy
+                self.exec = CudaExecutor(self.plans, self.art, symbols)
         else:
             shared: dict = {}
             self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]

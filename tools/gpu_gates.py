@@ -2,6 +2,12 @@
 
     python -m bloomery.tools.gpu_gates ART [ART ...] [--steps 256] [--tf 320] [--out DIR]
     python -m bloomery.tools.gpu_gates --synthetic smollm2-135m --steps 64     # made and prepared here
+    python -m bloomery.tools.gpu_gates TP2_ART --pair TP2_ART=TP1_ART --synthetic smollm2-135m --tp 2
+
+TP (tp > 1 artifacts run on the CUDA executor's NCCL ranks, runtime/cuda/tp.py): an artifact
+argument of tp 2 is gated CUDA tp2 against NumPy tp2; `--pair A=B` gates CUDA on A against CUDA on
+B (tp2 against the tp1 artifact of the same checkpoint); `--tp N` prepares the synthetic shapes at
+tp N and gates them against NumPy at tp N and against CUDA on their tp 1 artifact.
 
 Per artifact:
 - greedy: the same prompt on both executors, then `--steps` decode steps, each executor fed its
@@ -33,14 +39,33 @@ def rel(a, b) -> float:
     return r if np.isfinite(r) else float("inf")          # NaN never passes
 
 
-def gate(art: Path, steps: int, tf: int, seed: int = 0, ubatch: int = 64) -> dict:
+def _close(eng) -> None:
+    if eng is not None and hasattr(eng.exec, "close"):      # the TP ranks' processes
+        eng.exec.close()
+
+
+def gate(art: Path, steps: int, tf: int, seed: int = 0, ubatch: int = 64, ref: Path | None = None,
+         ref_device: str = "cpu") -> dict:
+    """CUDA on `art` against `ref_device` on `ref` (default: NumPy on the same artifact)."""
     from bloomery.runtime import Engine, logits
 
-    res = {"artifact": art.name, "steps": steps, "tf": tf}
+    ref = ref or art
+    res = {"artifact": art.name, "vs": f"{ref_device}:{ref.name}", "steps": steps, "tf": tf}
     t0 = time.perf_counter()
     cu = Engine(art, device="cuda", ctx=max(steps + 40, tf + 8), ubatch=ubatch)
     res["cuda_load_s"] = round(time.perf_counter() - t0, 3)
-    npx = Engine(art, device="cpu", ctx=max(steps + 40, tf + 8), ubatch=ubatch)
+    res["tp"] = cu.art.tp
+    try:
+        npx = Engine(ref, device=ref_device, ctx=max(steps + 40, tf + 8), ubatch=ubatch)
+        try:
+            return _compare(cu, npx, res, steps, tf, seed, logits)
+        finally:
+            _close(npx)
+    finally:
+        _close(cu)
+
+
+def _compare(cu, npx, res, steps, tf, seed, logits) -> dict:
     rng = np.random.default_rng(seed)
     V = cu.vocab_size
     prompt = [int(i) for i in rng.integers(0, V, 12)]
@@ -81,19 +106,23 @@ def gate(art: Path, steps: int, tf: int, seed: int = 0, ubatch: int = 64) -> dic
         per = [rel(xa[i], xb[i]) for i in range(tf)]
         res["tf_rel_l2_max"] = max(per)
         res["tf_argmax_agree"] = float(np.mean(np.argmax(xa, -1) == np.argmax(xb, -1)))
+    dis = getattr(cu.exec, "disagreements", 0)
+    if dis:
+        res.setdefault("errors", []).append(f"{dis} run(s) where the TP ranks' next tokens differ")
     res["pass"] = bool(diverged is None and worst <= BAND and not res.get("errors")
                        and (not tf or res["tf_rel_l2_max"] <= BAND))
     return res
 
 
-def synthetic_artifact(shape: str, fmt: str, root: Path, layers: int | None = None) -> Path:
+def synthetic_artifact(shape: str, fmt: str, root: Path, layers: int | None = None, tp: int = 1) -> Path:
     from bloomery.compiler.prepare import prepare
     from bloomery.tools import synthetic
     ck = root / f"{shape}-{fmt}-ckpt"
-    art = root / f"{shape}-{fmt}"
-    if not art.exists():
+    art = root / (f"{shape}-{fmt}" + (f"-tp{tp}" if tp > 1 else ""))
+    if not ck.exists():
         synthetic.write(shape, ck, fmt, layers=layers)
-        prepare(ck, art, progress=False)
+    if not art.exists():
+        prepare(ck, art, tp=tp, progress=False)
     return art
 
 
@@ -106,44 +135,66 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic-steps", type=int, default=64)
     ap.add_argument("--work", type=Path, default=None, help="where synthetic checkpoints go")
     ap.add_argument("--out", type=Path, default=None, help="write gates.json here")
+    ap.add_argument("--pair", action="append", default=[], metavar="A=B",
+                    help="gate CUDA on artifact A against CUDA on artifact B (e.g. tp2 against tp1)")
+    ap.add_argument("--pair-steps", type=int, default=None, help="greedy steps of --pair gates (default --steps)")
+    ap.add_argument("--pair-tf", type=int, default=0, help="teacher-forced positions of --pair gates")
+    ap.add_argument("--tp", type=int, default=1, help="prepare the synthetic shapes at this tp (and gate them "
+                                                       "also against CUDA on their tp 1 artifact)")
     a = ap.parse_args(argv)
+    pairs = []
+    for p in a.pair:
+        if "=" not in p:
+            ap.error(f"--pair {p!r}: expected A=B (two artifact folders)")
+        x, y = p.split("=", 1)
+        pairs.append((Path(x), Path(y)))
+    if a.tp < 1:
+        ap.error("--tp must be >= 1")
     rows = []
-    for art in a.artifacts:
+
+    def one(name, fn):
         try:
-            r = gate(art, a.steps, a.tf)
+            r = fn()
         except Exception as e:                       # one broken artifact does not hide the others
             import traceback
             traceback.print_exc()
-            r = {"artifact": art.name, "pass": False, "error": f"{type(e).__name__}: {e}"}
+            r = {"artifact": name, "pass": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(r), flush=True)
         rows.append(r)
+
+    for art in a.artifacts:
+        one(art.name, lambda art=art: gate(art, a.steps, a.tf))
+    for x, y in pairs:
+        one(f"{x.name} vs cuda:{y.name}",
+            lambda x=x, y=y: gate(x, a.pair_steps or a.steps, a.pair_tf, ref=y, ref_device="cuda"))
     work = a.work or Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-"))
     for shape in a.synthetic:
-        try:
+        def syn(shape=shape, tp=a.tp):
             t0 = time.perf_counter()
-            art = synthetic_artifact(shape, "nvfp4", work)
-            print(f"{shape}: synthetic + prepare {time.perf_counter() - t0:.1f} s", flush=True)
-            r = gate(art, a.synthetic_steps, 0)
-        except Exception as e:
-            import traceback
-            traceback.print_exc()
-            r = {"artifact": f"{shape}-nvfp4", "pass": False, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(r), flush=True)
-        rows.append(r)
+            art = synthetic_artifact(shape, "nvfp4", work, tp=tp)
+            print(f"{shape}: synthetic + prepare (tp {tp}) {time.perf_counter() - t0:.1f} s", flush=True)
+            return gate(art, a.synthetic_steps, 0)
+        one(f"{shape}-nvfp4" + (f"-tp{a.tp}" if a.tp > 1 else ""), syn)
+        if a.tp > 1:
+            def syn_pair(shape=shape, tp=a.tp):
+                art = synthetic_artifact(shape, "nvfp4", work, tp=tp)
+                ref = synthetic_artifact(shape, "nvfp4", work, tp=1)
+                return gate(art, a.synthetic_steps, 0, ref=ref, ref_device="cuda")
+            one(f"{shape}-nvfp4-tp{a.tp} vs cuda:tp1", syn_pair)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "gates.json").write_text(json.dumps(rows, indent=1))
     print()
-    print("| artifact | greedy equal | max rel L2 (decode) | tf max rel L2 | tf argmax agree | cuda decode tok/s | pass |")
-    print("|---|---|---|---|---|---|---|")
+    print("| artifact | vs | greedy equal | max rel L2 (decode) | tf max rel L2 | tf argmax agree | cuda decode tok/s | pass |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['artifact']} | ERROR {r['error'][:80]} | | | | | FAIL |")
+            print(f"| {r['artifact']} | | ERROR {r['error'][:80]} | | | | | FAIL |")
             continue
         tfx = f"{r['tf_rel_l2_max']:.1e}" if "tf_rel_l2_max" in r else "-"
         tfa = f"{100 * r['tf_argmax_agree']:.1f}%" if "tf_argmax_agree" in r else "-"
         div = "" if not r["diverged"] else f" (first diff step {r['diverged']['step']}, margin {r['diverged']['numpy_top2_margin']:.2e})"
-        print(f"| {r['artifact']} | {r['greedy_equal']}/{r['greedy_total']}{div} | {r['greedy_rel_l2_max']:.1e} | {tfx} | "
+        print(f"| {r['artifact']} (tp {r.get('tp', 1)}) | {r.get('vs', '')} | {r['greedy_equal']}/{r['greedy_total']}{div} | {r['greedy_rel_l2_max']:.1e} | {tfx} | "
               f"{tfa} | {r['cuda_decode_tok_s']} | {'PASS' if r['pass'] else 'FAIL'} |")
     ok = all(r["pass"] for r in rows)
     print(f"{sum(r['pass'] for r in rows)}/{len(rows)} passed")

@@ -22,7 +22,9 @@ reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels).
   only when asked for).
 - Prefill (ubatch rows) runs the GEMV kernels over row groups of 8 (float32, the decode
   kernels): correct, not fast; a tensor-core dequantizing GEMM is still owed (docs/kernels.md).
-- TP = 1 only: a plan with collectives is refused (TP over NCCL is a later step).
+- TP > 1: one CudaExecutor per rank, each in its own process on its own GPU (runtime/cuda/tp.py),
+  given the rank and its collectives (NCCL all_reduce / all_gather on this executor's stream,
+  captured into the graph like any launch). Without collectives, a plan holding them is refused.
 """
 
 from __future__ import annotations
@@ -129,19 +131,22 @@ class DeviceWeights:
 
 
 class CudaExecutor:
-    def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None):
+    def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
+                 rank: int = 0, collectives=None):
         if cp is None:
             raise DeviceUnavailable("the CUDA executor needs CuPy")
-        if len(plans) != 1 or any(P.OPS[o["op"]].collective for p in plans for prog in P.PROGRAMS
-                                  for o in p["programs"][prog]["ops"]):
+        self.rank, self.coll = int(rank), collectives
+        if len(plans) != 1 or (collectives is None and any(P.OPS[o["op"]].collective for p in plans
+                                                           for prog in P.PROGRAMS for o in p["programs"][prog]["ops"])):
             raise DeviceUnavailable(f"{art.path}: tp={len(plans)}: the CUDA executor runs TP=1 plans only in this "
-                                    f"version (TP over NCCL is a later step); use --device cpu or prepare with --tp 1")
+                                    f"version without NCCL ranks (runtime/cuda/tp.py); use --device cpu or prepare "
+                                    f"with --tp 1")
         self.plan, self.art, self.symbols = plans[0], art, dict(symbols)
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
         t0 = time.perf_counter()
-        self.w = DeviceWeights(art, 0, P.weights_of(self.plan))
+        self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
         shapes = {n: b for n, b in self.plan["buffers"].items()}
         self.state = {n: cp.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
                       for n, b in shapes.items() if b["kind"] == "state"}
@@ -309,8 +314,9 @@ class CudaExecutor:
     def _op_logits(self, op, bufs, rows, prog):
         t = self.w.table[op["weight"]]
         if "rows" in op and tuple(op["rows"]) != (0, int(t.shape[0])):
-            raise DeviceUnavailable("logits over a share of the table's rows (TP) is not on the CUDA executor yet")
-        lin = self.w.linear(op["weight"])
+            lin = self._row_share(op["weight"], int(op["rows"][0]), int(op["rows"][1]))
+        else:
+            lin = self.w.linear(op["weight"])
         if prog == "decode":
             self.decode_bytes += lin.nbytes
         return self._gemv(lin, bufs[op["x"]], bufs[op["out"]], rows)
@@ -411,10 +417,38 @@ class CudaExecutor:
             self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
         return steps
 
-    def _op_all_reduce(self, op, bufs, rows, prog):      # refused in __init__; kept for the message
-        raise DeviceUnavailable("all_reduce: TP on the CUDA executor is a later step")
+    def _row_share(self, name: str, start: int, stop: int) -> G.Linear:
+        """A rank's share [start, stop) of a replicated table's rows (the vocab-parallel tied head): views
+        of the uploaded arrays whose first axis is the table's rows (no copy)."""
+        t = self.w.table[name]
+        n = int(t.shape[0])
+        def share(v):                     # row-major [n, ...] (or flat n * row): rows start..stop; scalars kept
+            if v.ndim >= 1 and v.shape[0] == n:
+                return v[start:stop]
+            if v.ndim == 1 and v.size > 1 and v.size % n == 0:
+                return v.reshape(n, -1)[start:stop].reshape(-1)
+            return v
+        arrays = {k: share(v) for k, v in self.w.raw(name).items() if k != "pre_quant_scale"}
+        try:
+            return G.Linear(t.format, (stop - start, *t.shape[1:]), arrays)
+        except (KeyError, NotImplementedError) as e:
+            raise DeviceUnavailable(f"{self.art.path}: {name} rows {start}..{stop} ({t.format}): no CUDA kernel "
+                                    f"reads it ({e}); use --device cpu") from None
 
-    _op_all_gather = _op_all_reduce
+    def _op_all_reduce(self, op, bufs, rows, prog):
+        if self.coll is None:                             # refused in __init__; kept for the message
+            raise DeviceUnavailable("all_reduce: the CUDA executor has no collectives (runtime/cuda/tp.py)")
+        x, out = bufs[op["x"]], bufs[op["out"]]
+        if x.dtype != np.float32 or out.dtype != np.float32 or x.size != out.size:
+            raise PlanMismatch(f"all_reduce {op['x']} -> {op['out']}: float32 buffers of one size expected")
+        coll, sp = self.coll, self.stream.ptr
+        return [lambda: coll.all_reduce(x, out, sp)]
+
+    def _op_all_gather(self, op, bufs, rows, prog):
+        if self.coll is None:
+            raise DeviceUnavailable("all_gather: the CUDA executor has no collectives (runtime/cuda/tp.py)")
+        sp = self.stream.ptr
+        return self.coll.all_gather_steps(bufs[op["x"]], bufs[op["out"]], op["sizes"], rows, lambda: sp)
 
     # -- running ------------------------------------------------------------------------------------
     def rows(self, prog: str) -> int:
