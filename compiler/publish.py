@@ -40,7 +40,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -50,7 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import numpy as np
 from gguf import GGUFReader
 
 from bloomery.core import formats

@@ -35,3 +35,27 @@ def artifact(name: str, tp: int = 1) -> Path:
         prepare(folder, out, tp=tp, progress=False)
         _CACHE[(name, tp)] = out
     return _CACHE[(name, tp)]
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64."""
+    import numpy as np
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
+
+
+def assert_engines_agree(cand, ref, n_ids: int = 40, steps: int = 16, band: float = 1e-3, seed: int = 1) -> None:
+    """Two Engines on the same artifact: prefill logits within `band` (relative L2) at every position,
+    then `steps` greedy decode steps with each fed its own token: logits within `band`, the device
+    argmax equal to the logits' argmax, and the same tokens."""
+    import numpy as np
+    ids = [int(i) for i in np.random.default_rng(seed).integers(0, ref.vocab_size, n_ids)]
+    xa, xb = cand.prefill(ids), ref.prefill(ids)
+    assert max(rel(xa[i], xb[i]) for i in range(len(ids))) <= band
+    tok_a = tok_b = int(np.argmax(xb[-1]))
+    for _ in range(steps):
+        la, na = cand.decode([tok_a])
+        lb, nb = ref.decode([tok_b])
+        assert rel(la[0], lb[0]) <= band
+        assert int(na[0]) == int(np.argmax(la[0]))
+        tok_a, tok_b = int(na[0]), int(nb[0])
+        assert tok_a == tok_b

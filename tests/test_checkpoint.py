@@ -5,14 +5,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bloomery.compiler.checkpoint import Checkpoint
 from bloomery.core import errors
-from ckpt import (bf16, e4m3, fp8_parts, llama_tensors, nvfp4_parts, overwrite_tensor, read_header,
+from ckpt import (bf16, e4m3, fp8_parts, llama_tensors, overwrite_tensor, read_header,
                   rewrite_header, write_folder)
 
 NVFP4 = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}

@@ -4,14 +4,13 @@ tools/gpu_gates.py runs the full gates (256 greedy steps, teacher-forced logits)
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from bloomery import runtime
 from bloomery.runtime import device as devices
 from bloomery.runtime.errors import DeviceUnavailable
 
-from runtime_artifacts import artifact
+from runtime_artifacts import artifact, assert_engines_agree
 
 WHY = devices.cuda_unavailable()
 needs_gpu = pytest.mark.skipif(WHY is not None, reason=f"CUDA executor tests need CuPy and a GPU: {WHY}")
@@ -32,10 +31,6 @@ def test_cuda_modules_import_without_cupy():
     assert "attention_k" in ops_src.SOURCE and "gemv_plain_e" in gemv.kernel_name("mxfp8", 4, 1, 1, 4, experts=True)
 
 
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
-
-
 MODELS = ["tiny-llama/nvfp4", "tiny-llama/nvfp4_awq", "tiny-llama/mxfp8", "tiny-llama/fp8", "tiny-llama/mxfp4",
           "tiny-llama/bf16", "tiny-qwen3_moe/nvfp4", "tiny-qwen3_moe/fp8", "tiny-qwen3_moe/mxfp8"]
 
@@ -49,18 +44,7 @@ def test_cuda_matches_numpy(name):
     cu = runtime.Engine(art, device="cuda", ctx=128, ubatch=16)
     cpu = runtime.Engine(art, device="cpu", ctx=128, ubatch=16)
     assert cu.device == "cuda"
-    rng = np.random.default_rng(1)
-    ids = [int(i) for i in rng.integers(0, cu.vocab_size, 40)]
-    xa, xb = cu.prefill(ids), cpu.prefill(ids)                     # prefill program, 3 chunks
-    assert max(rel(xa[i], xb[i]) for i in range(len(ids))) <= 1e-3
-    tok_a = tok_b = int(np.argmax(xb[-1]))
-    for _ in range(16):                                           # decode program (graph replays)
-        la, na = cu.decode([tok_a])
-        lb, nb = cpu.decode([tok_b])
-        assert rel(la[0], lb[0]) <= 1e-3
-        assert int(na[0]) == int(np.argmax(la[0]))
-        tok_a, tok_b = int(na[0]), int(nb[0])
-        assert tok_a == tok_b
+    assert_engines_agree(cu, cpu)
 
 
 @needs_gpu

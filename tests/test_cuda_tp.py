@@ -14,16 +14,12 @@ from bloomery.runtime import device as devices
 from bloomery.runtime.cuda import tp as T
 from bloomery.runtime.errors import DeviceUnavailable
 
-from runtime_artifacts import artifact
+from runtime_artifacts import artifact, assert_engines_agree
 
 NGPU = devices.gpu_count()
 WHY = devices.cuda_unavailable() or (None if NGPU >= 2 else f"{NGPU} CUDA GPU(s), 2 needed")
 needs_2gpu = pytest.mark.skipif(WHY is not None, reason=f"CUDA TP tests need CuPy and 2 GPUs: {WHY}")
 FAKE = "bloomery.runtime.cuda.tp:fake_rank"
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
 
 
 def test_tp_module_imports_without_cupy():
@@ -89,18 +85,7 @@ def test_cuda_tp2_matches_numpy_tp2(name):
     cpu = runtime.Engine(art, device="cpu", ctx=128, ubatch=16)
     try:
         assert cu.device == "cuda" and cu.art.tp == 2
-        rng = np.random.default_rng(1)
-        ids = [int(i) for i in rng.integers(0, cu.vocab_size, 40)]
-        xa, xb = cu.prefill(ids), cpu.prefill(ids)
-        assert max(rel(xa[i], xb[i]) for i in range(len(ids))) <= 1e-3
-        tok_a = tok_b = int(np.argmax(xb[-1]))
-        for _ in range(16):
-            la, na = cu.decode([tok_a])
-            lb, nb = cpu.decode([tok_b])
-            assert rel(la[0], lb[0]) <= 1e-3
-            assert int(na[0]) == int(np.argmax(la[0]))
-            tok_a, tok_b = int(na[0]), int(nb[0])
-            assert tok_a == tok_b
+        assert_engines_agree(cu, cpu)
         assert cu.exec.disagreements == 0
     finally:
         cu.exec.close()

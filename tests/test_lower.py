@@ -4,7 +4,6 @@ the artifact and prints, and the refusals."""
 
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 

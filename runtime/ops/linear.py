@@ -1,6 +1,5 @@
 """linear: out = (x * pre_quant_scale) @ weight.T; weight [out, in] decoded from any stored format."""
 
-import numpy as np
 
 
 def run(op, buf, w):

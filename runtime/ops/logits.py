@@ -1,7 +1,6 @@
 """logits: out = x @ weight[rows].T: the output head, or the tied embedding; `rows` [start, stop]
 takes a rank's share of the vocabulary from a replicated table."""
 
-import numpy as np
 
 
 def run(op, buf, w):
