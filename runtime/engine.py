@@ -137,20 +137,23 @@ class Engine:
             pos = np.full(u, -1, np.int32)
             pos[:n] = np.arange(start + c, start + c + n)
             keep = not last_only or c + u >= a.size
+            lo = n - 1 if last_only else 0                      # the rows of logits wanted back
             res = self._run("prefill", {"tokens": tokens, "positions": pos, "slot_ids": np.full(u, slot, np.int32)},
-                            ("logits",) if keep else ())
+                            ("logits",) if keep else (), rows=(lo, n))
             if keep:
-                out.append(res["logits"][:n].copy())
+                out.append(res["logits"].copy())
         self.lengths[slot] = start + a.size
         if last_only:
             return out[-1][-1]
         return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
 
-    def _run(self, prog: str, inputs: dict, want: tuple):
-        """The executor's run; the CUDA executor copies back only the outputs in `want`."""
-        if self.device == "cuda":
-            return self.exec.run(prog, inputs, want)
-        return self.exec.run(prog, inputs)
+    def _run(self, prog: str, inputs: dict, want: tuple, rows: tuple | None = None):
+        """The executor's run; the CUDA executor copies back only the outputs in `want`. rows=(lo, hi):
+        only those rows of each output are returned (the single-GPU CUDA executor copies only them)."""
+        if self.device == "cuda" and rows is not None and getattr(self.exec, "copies_rows", False):
+            return self.exec.run(prog, inputs, want, rows=rows)
+        res = self.exec.run(prog, inputs, want) if self.device == "cuda" else self.exec.run(prog, inputs)
+        return res if rows is None else {k: v[rows[0]:rows[1]] for k, v in res.items()}
 
     def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None, logits: bool = True):
         """One step: tokens[s] appended to slot s (for every active slot). Returns the logits

@@ -27,8 +27,19 @@ def test_device_resolution():
 
 
 def test_cuda_modules_import_without_cupy():
-    from bloomery.runtime.cuda import executor, gemv, ops, ops_src   # noqa: F401
+    from bloomery.runtime.cuda import executor, gemm, gemm_src, gemv, ops, ops_src   # noqa: F401
     assert "attention_k" in ops_src.SOURCE and "gemv_plain_e" in gemv.kernel_name("mxfp8", 4, 1, 1, 4, experts=True)
+    assert "attn_chunk_k" in ops_src.SOURCE and "deq_nvfp4_ggml_k" in gemm_src.SOURCE
+    assert set(gemm.MODES) == {"bf16", "bf16x2"}
+
+
+def test_prefill_gemm_lever():
+    from bloomery.core import levers
+    from bloomery.core.errors import BadLeverValue
+    assert levers.value("BLOOMERY_PREFILL_GEMM", {}) == "bf16x2"
+    assert levers.value("BLOOMERY_PREFILL_GEMM", {"BLOOMERY_PREFILL_GEMM": "off"}) == "off"
+    with pytest.raises(BadLeverValue, match="BLOOMERY_PREFILL_GEMM"):
+        levers.value("BLOOMERY_PREFILL_GEMM", {"BLOOMERY_PREFILL_GEMM": "fp8"})
 
 
 MODELS = ["tiny-llama/nvfp4", "tiny-llama/nvfp4_awq", "tiny-llama/mxfp8", "tiny-llama/fp8", "tiny-llama/mxfp4",
@@ -38,8 +49,12 @@ MODELS = ["tiny-llama/nvfp4", "tiny-llama/nvfp4_awq", "tiny-llama/mxfp8", "tiny-
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
+@pytest.mark.parametrize("mode", ["bf16x2", "off"])
 @pytest.mark.parametrize("name", MODELS)
-def test_cuda_matches_numpy(name):
+def test_cuda_matches_numpy(name, mode, monkeypatch):
+    """Prompt chunks (ubatch 16: the tensor-core GEMM, or the GEMV kernels when off) and decode steps
+    within the issue's band (relative L2 1e-3) of the NumPy executor, the same greedy tokens."""
+    monkeypatch.setenv("BLOOMERY_PREFILL_GEMM", mode)
     art = artifact(name)
     cu = runtime.Engine(art, device="cuda", ctx=128, ubatch=16)
     cpu = runtime.Engine(art, device="cpu", ctx=128, ubatch=16)
@@ -57,3 +72,28 @@ def test_cuda_generate_and_reset():
     g2 = runtime.generate(eng, ids=[1, 5, 9], max_tokens=12)      # generate resets slot 0
     ref = runtime.generate(runtime.Engine(art, device="cpu", ctx=128), ids=[1, 5, 9], max_tokens=12)
     assert g1.token_ids == g2.token_ids == ref.token_ids and g1.device == "cuda"
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
+@pytest.mark.parametrize("name", ["tiny-llama/nvfp4", "tiny-qwen3_moe/nvfp4"])
+def test_cuda_bf16_prefill(name, monkeypatch):
+    """The BF16-activation prompt GEMM (lever BLOOMERY_PREFILL_GEMM=bf16): rounded activations, so not
+    the float32 band. Measured on the H200 (ubatch 64, random ids): relative L2 per position 2e-3 to
+    7e-3, argmax agreement >= 98.8%; on the MoE model a position whose router scores nearly tie can
+    pick another expert (the router runs exact, its input is rounded upstream): 0.085 seen there.
+    Bands: median 1e-2 everywhere, max 2e-2 on the dense model, argmax agreement 97%."""
+    import numpy as np
+    monkeypatch.setenv("BLOOMERY_PREFILL_GEMM", "bf16")
+    art = artifact(name)
+    cu = runtime.Engine(art, device="cuda", ctx=200, ubatch=64)
+    assert cu.exec.gemm_mode == "bf16"
+    cpu = runtime.Engine(art, device="cpu", ctx=200, ubatch=64)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, cpu.vocab_size, 160)]
+    a, b = cu.prefill(ids), cpu.prefill(ids)
+    rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+    assert np.median(rel) <= 1e-2
+    if "moe" not in name:
+        assert rel.max() <= 2e-2
+    assert np.mean(np.argmax(a, -1) == np.argmax(b, -1)) >= 0.97

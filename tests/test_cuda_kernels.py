@@ -5,6 +5,8 @@ shapes and times them."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def artifact(fmt, shape, rng, stored_nvfp4=False):
     return formats.get(fmt).decode(parts).astype(np.float64), arrays
 
 
-def check(lin, W, nb, rng, accumulate=False):
+def check(lin, W, nb, rng, accumulate=False, tol=1e-5):
     x = rng.standard_normal((nb, W.shape[1])).astype(np.float32)
     y0 = rng.standard_normal((nb, W.shape[0])).astype(np.float32)
     y = cp.asarray(y0) if accumulate else cp.full((nb, W.shape[0]), cp.nan, dtype=cp.float32)
@@ -52,14 +54,16 @@ def check(lin, W, nb, rng, accumulate=False):
     bound = np.abs(x.astype(np.float64)) @ np.abs(W).T + (np.abs(y0) if accumulate else 0)
     assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
     err = np.abs(got - ref)
-    assert (err <= 1e-5 * bound + 1e-30).all(), f"worst {np.max(err / (bound + 1e-30)):.2e}"
-    assert np.linalg.norm(err) <= 1e-5 * np.linalg.norm(ref)
+    assert (err <= tol * bound + 1e-30).all(), f"worst {np.max(err / (bound + 1e-30)):.2e}"
+    # in L2 against the bound's norm: a lone output whose terms cancel (ref << bound) would otherwise
+    # demand more than float32 accumulation can give (seen once: 1 x 64, |ref| 0.026, error 2.5e-6)
+    assert np.linalg.norm(err) <= tol * np.linalg.norm(bound)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
 def test_gemv_matches_float64(fmt, shape):
-    rng = np.random.default_rng(hash((fmt, shape)) & 0xFFFF)
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, shape)).encode()))   # the same data every run
     f = "nvfp4" if fmt == "nvfp4_stored" else fmt
     if f in ("nvfp4",) and shape[1] % 16 or f in ("mxfp8", "q8_0") and shape[1] % 32:
         pytest.skip("not a valid shape for the format")

@@ -205,3 +205,40 @@ def test_q8_lever_cost_is_measured():
     assert re.search(r"KL.*mean [0-9.e+-]+.*max [0-9.e+-]+", cost), cost
     assert re.search(r"argmax agreement [0-9.]+", cost), cost
     assert re.search(r"20\d\d-\d\d-\d\d", cost) and "BLOOMERY_PREPARE_Q8" in cost, cost
+
+
+# --------------------------------------------------------------------------- the GPU gates' oracle row
+
+
+def test_cuda_oracle_band_is_issue_5s():
+    lim = gates.load_bands()["cuda_vs_oracle"].limits
+    assert lim["argmax_agreement"]["min"] >= 0.995 and lim["kl_mean"]["max"] <= 1e-3
+
+
+@pytest.mark.models
+def test_oracle_gate_flow_on_the_cpu(tmp_path, monkeypatch):
+    """tools/gpu_gates.oracle_gate (run on the GPU with device cuda) here with the NumPy executor:
+    a folder holding only the checkpoint's config and tokenizer files suffices, the row passes;
+    with a planted executor defect (swiglu's gate and up swapped) it fails both issue bands."""
+    import shutil
+
+    from bloomery.tools import gpu_gates
+    from runtime_artifacts import artifact
+
+    folder = need("tiny-llama/nvfp4")
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    for f in folder.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, cfg / f.name)
+    art = artifact("tiny-llama/nvfp4")
+    r = gpu_gates.oracle_gate(cfg, art, device="cpu", limit=FAST_LIMIT)
+    assert r["pass"] and r["argmax_agreement"] == 1.0 and r["kl_mean"] < 1e-10, r
+
+    from bloomery.runtime.ops import IMPL, swiglu
+
+    def swapped(op, buf, w):
+        buf[op["out"]][...] = swiglu.silu(buf[op["up"]]) * buf[op["gate"]]
+    monkeypatch.setattr(IMPL["swiglu"], "run", swapped)
+    bad = gpu_gates.oracle_gate(cfg, art, device="cpu", limit=FAST_LIMIT)
+    assert not bad["pass"] and len(bad["fails"]) == 2, bad

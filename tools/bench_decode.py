@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bloomery.runtime.cuda.bandwidth import copy_bandwidth
+from bloomery.runtime.cuda.bandwidth import bf16_gemm_rate, copy_bandwidth
 
 
 def log(*a):
@@ -72,6 +72,50 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = 16) -> dict:
             "bytes_per_tok": ex.decode_bytes, "kernels": len(ex.steps["decode"])}
 
 
+def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
+    """One prompt of n tokens in one chunk (ubatch n): the prefill program's graph replayed (device
+    time), the end-to-end Engine.prefill (host included), the useful FLOPs (linears, experts, head,
+    causal attention) and the per-op-kind split."""
+    import cupy as cp
+
+    import os
+
+    from bloomery.runtime import Engine
+    old = os.environ.get("BLOOMERY_PREFILL_GEMM")
+    if mode:
+        os.environ["BLOOMERY_PREFILL_GEMM"] = mode              # the lever, read by the executor
+    try:
+        eng = Engine(art, device="cuda", ctx=n + 8, ubatch=n)
+    finally:
+        if old is None:
+            os.environ.pop("BLOOMERY_PREFILL_GEMM", None)
+        else:
+            os.environ["BLOOMERY_PREFILL_GEMM"] = old
+    ex = eng.exec
+    rng = np.random.default_rng(1)
+    prompt = [int(i) for i in rng.integers(0, eng.vocab_size, n)]
+    t0 = time.perf_counter()
+    eng.prefill(prompt, last_only=True)
+    wall = time.perf_counter() - t0
+    s, g = ex.stream, ex.graph["prefill"]
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    g.launch(s)
+    e0.record(s)
+    for _ in range(3):
+        g.launch(s)                              # same inputs: the same cache rows rewritten
+    e1.record(s)
+    e1.synchronize()
+    dev = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 3
+    f = ex.flops["prefill"]
+    flops = f["linear"] + f["attention_per_key"] * n * (n + 1) // 2
+    prof = ex.profile("prefill", reps=2)
+    res = {"n": n, "wall_s": wall, "device_s": dev, "flops": flops, "linear_flops": f["linear"],
+           "profile": {k: [round(v[0], 3), v[1]] for k, v in prof.items()}, "gemm_mode": ex.gemm_mode}
+    del eng, ex, g
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
 def bench_peer(ckpt: Path, steps: int, prompt_len: int = 16, compiled: bool = True) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
@@ -115,8 +159,6 @@ def bench_peer(ckpt: Path, steps: int, prompt_len: int = 16, compiled: bool = Tr
                 tok = lg[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             res["compiled_s_per_tok"] = (time.perf_counter() - t1) / (steps - 8)
-    del model
-    torch.cuda.empty_cache()
     return res
 
 
@@ -129,6 +171,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-shapes", nargs="*", default=None, help="run the peer on these only (default: all)")
     ap.add_argument("--no-compile", action="store_true", help="peer: eager only")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[512, 4096], help="prompt lengths timed in one chunk")
+    ap.add_argument("--prefill-modes", nargs="*", default=[None],
+                    help="BLOOMERY_PREFILL_GEMM settings to time prefill in (default: the lever's setting)")
+    ap.add_argument("--prefill-shapes", nargs="*", default=None, help="time prefill on these only (default: all)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bloomery-bench"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -137,6 +183,9 @@ def main(argv=None) -> int:
     layers = {k: int(v) for k, v in (x.split("=") for x in a.layers)}
     bw = copy_bandwidth()
     log(f"copy bandwidth (D2D 2 GiB, read + write, median of 10): {bw / 1e12:.3f} TB/s")
+    tc = bf16_gemm_rate() if a.prefill else 0.0
+    if tc:
+        log(f"bf16 tensor-core rate (cuBLAS 8192^3, bf16 in, f32 accumulate and out, median of 10): {tc / 1e12:.1f} TFLOP/s")
     rows = []
     for shape in a.shapes:
         r = {"shape": shape, "format": a.format, "layers": layers.get(shape, synthetic.SHAPES[shape]["layers"])}
@@ -154,9 +203,22 @@ def main(argv=None) -> int:
             r["gb_s"] = r["bytes_per_tok"] / r["s_per_tok"] / 1e9
             r["pct_copy"] = 100 * r["bytes_per_tok"] / r["s_per_tok"] / bw
             log(json.dumps(r))
+            if a.prefill_shapes is None or shape in a.prefill_shapes:
+                r["prefill"] = []
+                for n, mode in ((n, m) for m in a.prefill_modes for n in a.prefill):
+                    try:
+                        p = bench_prefill(art, n, mode)
+                        p["pct_tc"] = 100 * p["flops"] / p["device_s"] / tc
+                    except Exception as e:
+                        import traceback
+                        traceback.print_exc()
+                        p = {"n": n, "error": f"{type(e).__name__}: {e}"}
+                    r["prefill"].append(p)
+                    log(json.dumps(p))
             if a.peer and (a.peer_shapes is None or shape in a.peer_shapes):
-                import torch        # noqa: F401  (the peer needs torch; bloomery does not)
+                import torch        # the peer needs torch; bloomery does not
                 r.update(bench_peer(ck, a.steps, compiled=not a.no_compile))
+                torch.cuda.empty_cache()             # the peer's model is gone with bench_peer's frame
                 log(json.dumps(r))
         except Exception as e:
             import traceback
@@ -172,7 +234,8 @@ def main(argv=None) -> int:
             pass
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "bench_decode.json").write_text(json.dumps({"copy_bw": bw, "rows": rows}, indent=1, default=str))
+        (a.out / "bench_decode.json").write_text(json.dumps({"copy_bw": bw, "bf16_tc": tc, "rows": rows}, indent=1,
+                                                            default=str))
     log()
     log("decode device time per op kind (each kind's launches replayed alone from a graph; ms per token, launches):")
     for r in rows:
@@ -181,6 +244,19 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v[0]:.3f} ({v[1]})" for k, v in sorted(r["profile"].items(), key=lambda kv: -kv[1][0]))
             log(f"  {r['shape']}: sum {tot:.3f} ms over {r['kernels']} launches: {parts}")
     log()
+    if tc:
+        log(f"prefill (one chunk; device time of the prefill graph; bf16 tensor-core rate {tc / 1e12:.1f} TFLOP/s):")
+        log("| shape | tokens | mode | ms (device) | tok/s | TFLOP/s | % tc | wall ms | top op kinds (ms) |")
+        log("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            for p in r.get("prefill", []):
+                if "error" in p:
+                    log(f"| {r['shape']} | {p['n']} | ERROR {p['error'][:80]} |")
+                    continue
+                top = ", ".join(f"{k} {v[0]:.1f}" for k, v in sorted(p["profile"].items(), key=lambda kv: -kv[1][0])[:3])
+                log(f"| {r['shape']} | {p['n']} | {p['gemm_mode']} | {1e3 * p['device_s']:.1f} | {p['n'] / p['device_s']:.0f} | "
+                    f"{p['flops'] / p['device_s'] / 1e12:.1f} | {p['pct_tc']:.1f} | {1e3 * p['wall_s']:.1f} | {top} |")
+        log()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     log("| shape | fmt | layers | load s (upload GB/s) | tok/s | ms/tok | graph ms/tok | MB/tok | GB/s | % copy "
         "| peer eager tok/s | peer compiled tok/s | x compiled peer |")

@@ -3,6 +3,7 @@
     python -m bloomery.tools.gpu_gates ART [ART ...] [--steps 256] [--tf 320] [--out DIR]
     python -m bloomery.tools.gpu_gates --synthetic smollm2-135m --steps 64     # made and prepared here
     python -m bloomery.tools.gpu_gates TP2_ART --pair TP2_ART=TP1_ART --synthetic smollm2-135m --tp 2
+    python -m bloomery.tools.gpu_gates --oracle CKPT=ART        # CUDA against the f32 oracle, gate prompts
 
 TP (tp > 1 artifacts run on the CUDA executor's NCCL ranks, runtime/cuda/tp.py): an artifact
 argument of tp 2 is gated CUDA tp2 against NumPy tp2; `--pair A=B` gates CUDA on A against CUDA on
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +41,12 @@ def rel(a, b) -> float:
     return r if np.isfinite(r) else float("inf")          # NaN never passes
 
 
+def label(art: Path) -> str:
+    """An artifact's name in the tables: its folder, with the parent's when the folder is a generic one."""
+    art = Path(art)
+    return f"{art.parent.name}/{art.name}" if art.name in ("art", "artifact", "out") else art.name
+
+
 def _close(eng) -> None:
     if eng is not None and hasattr(eng.exec, "close"):      # the TP ranks' processes
         eng.exec.close()
@@ -50,7 +58,7 @@ def gate(art: Path, steps: int, tf: int, seed: int = 0, ubatch: int = 64, ref: P
     from bloomery.runtime import Engine, logits
 
     ref = ref or art
-    res = {"artifact": art.name, "vs": f"{ref_device}:{ref.name}", "steps": steps, "tf": tf}
+    res = {"artifact": label(art), "vs": f"{ref_device}:{label(ref)}", "steps": steps, "tf": tf}
     t0 = time.perf_counter()
     cu = Engine(art, device="cuda", ctx=max(steps + 40, tf + 8), ubatch=ubatch)
     res["cuda_load_s"] = round(time.perf_counter() - t0, 3)
@@ -114,6 +122,32 @@ def _compare(cu, npx, res, steps, tf, seed, logits) -> dict:
     return res
 
 
+def oracle_gate(folder: Path, art: Path, device: str = "cuda", limit: int | None = None, ubatch: int = 64) -> dict:
+    """The executor on `device` against the float32 transformers oracle (tools/oracle.py) on every
+    sequence of the pinned gate prompt set (specs/prompts/gate_prompts.yaml), teacher-forced.
+    `folder`: the checkpoint's config and tokenizer files (weights are not needed: the oracle runs on
+    the values the artifact holds, which prepare keeps bit-exact to the checkpoint's, tested in
+    tests/test_prepare.py). Bands: specs/bands.yaml, kind cuda_vs_oracle."""
+    from bloomery.runtime import Engine, logits
+    from bloomery.tools import gates, oracle
+
+    t0 = time.perf_counter()
+    seqs = gates.sequences(folder, limit)
+    ref = oracle.artifact_oracle(folder, art)
+    eng = Engine(art, device=device, ctx=max(len(s.ids) for s in seqs), ubatch=ubatch)
+    refs, cands = [], []
+    try:
+        for sq in seqs:
+            refs.append(ref.logits(sq.ids))
+            cands.append(logits(eng, sq.ids))
+    finally:
+        _close(eng)
+    m = gates.compare(refs, cands)
+    fails = gates.check(m, gates.load_bands()["cuda_vs_oracle"])
+    return {"artifact": label(art), "vs": "f32 oracle", "device": eng.device, "sequences": len(seqs), **m,
+            "fails": fails, "pass": not fails, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def synthetic_artifact(shape: str, fmt: str, root: Path, layers: int | None = None, tp: int = 1) -> Path:
     from bloomery.compiler.prepare import prepare
     from bloomery.tools import synthetic
@@ -133,15 +167,27 @@ def main(argv=None) -> int:
     ap.add_argument("--tf", type=int, default=320, help="teacher-forced positions (0: skip)")
     ap.add_argument("--synthetic", nargs="*", default=[], help="shapes of tools/synthetic.py, made here (NVFP4)")
     ap.add_argument("--synthetic-steps", type=int, default=64)
+    ap.add_argument("--synthetic-layers", type=int, default=None, help="fewer layers than the real shapes")
     ap.add_argument("--work", type=Path, default=None, help="where synthetic checkpoints go")
     ap.add_argument("--out", type=Path, default=None, help="write gates.json here")
     ap.add_argument("--pair", action="append", default=[], metavar="A=B",
                     help="gate CUDA on artifact A against CUDA on artifact B (e.g. tp2 against tp1)")
     ap.add_argument("--pair-steps", type=int, default=None, help="greedy steps of --pair gates (default --steps)")
     ap.add_argument("--pair-tf", type=int, default=0, help="teacher-forced positions of --pair gates")
+    ap.add_argument("--oracle", action="append", default=[], metavar="CFG=ART",
+                    help="gate CUDA on artifact ART against the f32 oracle; CFG: the checkpoint folder (its "
+                         "config and tokenizer files suffice)")
+    ap.add_argument("--oracle-limit", type=int, default=None, help="first N gate prompts only")
+    ap.add_argument("--prefill", choices=("bf16", "bf16x2", "off"), default=None,
+                    help="the CUDA executor's prompt-chunk GEMM mode (lever BLOOMERY_PREFILL_GEMM; default: its setting)")
     ap.add_argument("--tp", type=int, default=1, help="prepare the synthetic shapes at this tp (and gate them "
                                                        "also against CUDA on their tp 1 artifact)")
     a = ap.parse_args(argv)
+    if a.prefill:
+        os.environ["BLOOMERY_PREFILL_GEMM"] = a.prefill         # read by every CUDA executor (and TP rank)
+    from bloomery.core import levers
+    mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+    print(f"prompt-chunk GEMM mode: {mode}", flush=True)
     pairs = []
     for p in a.pair:
         if "=" not in p:
@@ -167,11 +213,24 @@ def main(argv=None) -> int:
     for x, y in pairs:
         one(f"{x.name} vs cuda:{y.name}",
             lambda x=x, y=y: gate(x, a.pair_steps or a.steps, a.pair_tf, ref=y, ref_device="cuda"))
+    orows = []
+    for spec in a.oracle:
+        if "=" not in spec:
+            ap.error(f"--oracle {spec!r}: expected CFG=ART")
+        cfg, art = (Path(x) for x in spec.split("=", 1))
+        try:
+            r = oracle_gate(cfg, art, limit=a.oracle_limit)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            r = {"artifact": art.name, "pass": False, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(r), flush=True)
+        orows.append(r)
     work = a.work or Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-"))
     for shape in a.synthetic:
         def syn(shape=shape, tp=a.tp):
             t0 = time.perf_counter()
-            art = synthetic_artifact(shape, "nvfp4", work, tp=tp)
+            art = synthetic_artifact(shape, "nvfp4", work, layers=a.synthetic_layers, tp=tp)
             print(f"{shape}: synthetic + prepare (tp {tp}) {time.perf_counter() - t0:.1f} s", flush=True)
             return gate(art, a.synthetic_steps, 0)
         one(f"{shape}-nvfp4" + (f"-tp{a.tp}" if a.tp > 1 else ""), syn)
@@ -183,7 +242,7 @@ def main(argv=None) -> int:
             one(f"{shape}-nvfp4-tp{a.tp} vs cuda:tp1", syn_pair)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "gates.json").write_text(json.dumps(rows, indent=1))
+        (a.out / "gates.json").write_text(json.dumps({"mode": mode, "engines": rows, "oracle": orows}, indent=1))
     print()
     print("| artifact | vs | greedy equal | max rel L2 (decode) | tf max rel L2 | tf argmax agree | cuda decode tok/s | pass |")
     print("|---|---|---|---|---|---|---|---|")
@@ -196,8 +255,20 @@ def main(argv=None) -> int:
         div = "" if not r["diverged"] else f" (first diff step {r['diverged']['step']}, margin {r['diverged']['numpy_top2_margin']:.2e})"
         print(f"| {r['artifact']} (tp {r.get('tp', 1)}) | {r.get('vs', '')} | {r['greedy_equal']}/{r['greedy_total']}{div} | {r['greedy_rel_l2_max']:.1e} | {tfx} | "
               f"{tfa} | {r['cuda_decode_tok_s']} | {'PASS' if r['pass'] else 'FAIL'} |")
-    ok = all(r["pass"] for r in rows)
-    print(f"{sum(r['pass'] for r in rows)}/{len(rows)} passed")
+    if orows:
+        print()
+        print("| artifact | vs | positions | argmax agree | KL mean | KL max | rel L2 mean | rel L2 max | pass |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in orows:
+            if "error" in r:
+                print(f"| {r['artifact']} | f32 oracle | ERROR {r['error'][:80]} | | | | | | FAIL |")
+                continue
+            print(f"| {r['artifact']} | f32 oracle | {r['positions']} | {r['argmax_agreement']:.4f} | {r['kl_mean']:.2e} | "
+                  f"{r['kl_max']:.2e} | {r['rel_l2_mean']:.2e} | {r['rel_l2_max']:.2e} | "
+                  f"{'PASS' if r['pass'] else 'FAIL ' + '; '.join(r['fails'])} |")
+    allr = rows + orows
+    ok = all(r["pass"] for r in allr)
+    print(f"{sum(r['pass'] for r in allr)}/{len(allr)} passed (prompt-chunk GEMM mode {mode})")
     return 0 if ok else 1
 
 

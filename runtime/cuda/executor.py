@@ -20,8 +20,9 @@ reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels).
   device: the router's ids are read by the expert GEMV kernels (no host round trip).
 - A run's only host synchronization is reading its outputs (the next token id; the logits
   only when asked for).
-- Prefill (ubatch rows) runs the GEMV kernels over row groups of 8 (float32, the decode
-  kernels): correct, not fast; a tensor-core dequantizing GEMM is still owed (docs/kernels.md).
+- Linears of more than 8 rows (prefill chunks) run on the tensor cores (runtime/cuda/gemm.py: the
+  weight decoded into a reused BF16 scratch, one cuBLAS GEMM), in the mode the lever
+  BLOOMERY_PREFILL_GEMM names ("bf16", "bf16x2", or "off": the GEMV kernels over 8-row groups).
 - TP > 1: one CudaExecutor per rank, each in its own process on its own GPU (runtime/cuda/tp.py),
   given the rank and its collectives (NCCL all_reduce / all_gather on this executor's stream,
   captured into the graph like any launch). Without collectives, a plan holding them is refused.
@@ -43,6 +44,9 @@ from bloomery.core import plan as P
 
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops.rope import inv_freq
+from bloomery.core import levers
+
+from . import gemm as M
 from . import gemv as G
 from . import ops as K
 
@@ -132,7 +136,7 @@ class DeviceWeights:
 
 class CudaExecutor:
     def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
-                 rank: int = 0, collectives=None):
+                 rank: int = 0, collectives=None, prefill_gemm: str | None = None):
         if cp is None:
             raise DeviceUnavailable("the CUDA executor needs CuPy")
         self.rank, self.coll = int(rank), collectives
@@ -145,6 +149,8 @@ class CudaExecutor:
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
+        self.gemm_mode = prefill_gemm or levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+        self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
         shapes = {n: b for n, b in self.plan["buffers"].items()}
@@ -157,6 +163,7 @@ class CudaExecutor:
         self.tags: dict[str, list] = {}      # the op (or fused ops) of each launch, for profile()
         self.graph: dict = {}
         self.decode_bytes = 0            # weight bytes one decode step reads (bench)
+        self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form) to compile
         for prog, rows_sym in P.PROGRAMS.items():
             rows = symbols[rows_sym]
@@ -183,6 +190,7 @@ class CudaExecutor:
                     m = cp.cuda.alloc_pinned_memory(max(4, a.nbytes))
                     outs[n] = (m, np.frombuffer(m, a.dtype, a.size).reshape(a.shape))
             self.pinned_out[prog] = outs
+            self._prog = prog
             self.steps[prog] = self._bind(prog, rows)
         self.load_s = time.perf_counter() - t0
         self.warm_s = 0.0
@@ -262,8 +270,14 @@ class CudaExecutor:
     def _scratch(self, shape, dtype=np.float32):
         return cp.zeros(shape, dtype)
 
-    def _gemv(self, lin: G.Linear, x, y, rows: int, accumulate: bool = False) -> list:
-        """y[:rows] = W x[:rows] (+ y), in launches of at most 8 rows."""
+    def _gemv(self, lin: G.Linear, x, y, rows: int, accumulate: bool = False, exact: bool = False) -> list:
+        """y[:rows] = W x[:rows] (+ y): the GEMV kernels in launches of at most 8 rows, or, for more
+        rows, the tensor-core GEMM (gemm.py) when the mode allows and the format has a decoder."""
+        self.flops[self._prog]["linear"] += 2 * rows * lin.out * lin.inn
+        if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
+            if self.mm is None:
+                self.mm = M.Matmul(self.stream, self.gemm_mode)
+            return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
         steps = []
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)
@@ -347,7 +361,29 @@ class CudaExecutor:
         aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                  np.float32(op["scale"]))
         attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
+        self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
+        chunk = self._attn_chunk(H, KV, D) if prog != "decode" else None
+        if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
+            ck_, qpt, rb, csmem = chunk
+            cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
+                     np.int32(ctx), np.float32(op["scale"]))
+            attend = lambda: ck_((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         return [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
+
+    def _attn_chunk(self, H: int, KV: int, D: int):
+        """(kernel, QPT, rows per CTA, shared bytes) of attn_chunk_k for this head shape, or None (the
+        per-row kernel then serves prompt chunks too)."""
+        G = H // KV
+        qpt = 2 if D <= 128 and G <= 64 else 1 if D <= 256 and G <= 32 else 0
+        if not qpt:
+            return None
+        qn = 32 * qpt
+        dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
+        smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33)
+        kern = self.k[f"attn_chunk_k<{dpl}, {qpt}>"]
+        if smem > 48 * 1024:
+            kern.max_dynamic_shared_size_bytes = smem
+        return kern, qpt, qn // G, smem
 
     def _op_swiglu(self, op, bufs, rows, prog):
         g, u, out = bufs[op["gate"]], bufs[op["up"]], bufs[op["out"]]
@@ -370,7 +406,7 @@ class CudaExecutor:
         lin = self.w.linear(op["weight"])
         E, k = lin.out, int(op["top_k"])
         lg = self._scratch((rows, E))
-        steps = self._gemv(lin, bufs[op["x"]], lg, rows)
+        steps = self._gemv(lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
         kern = self.k["moe_topk_k"]
         args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
         if prog == "decode":
@@ -399,6 +435,7 @@ class CudaExecutor:
             return dst, 1
 
         self._need += [(gate, None), (up, None), (down, None)]
+        self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
         xg, dg = scaled("gate", x, x.shape[-1], k)
         steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
         xu, du = scaled("up", x, x.shape[-1], k)
@@ -494,21 +531,28 @@ class CudaExecutor:
             graph.launch(s)              # a replay with the inactive inputs: checks the graph runs
             s.synchronize()
 
-    def run(self, prog: str, inputs: dict, want=None) -> dict:
+    copies_rows = True                   # run() takes rows=(lo, hi) (Engine._run)
+
+    def run(self, prog: str, inputs: dict, want=None, rows: tuple | None = None) -> dict:
         """Sets the inputs, replays the program, returns the outputs in `want` (default: all) as host
-        arrays (views of pinned buffers, valid until the next run of this program)."""
+        arrays (views of pinned buffers, valid until the next run of this program); rows=(lo, hi):
+        only those rows (first axis) are copied and returned."""
         self._set_inputs(prog, inputs)
         self._launch(prog)
         outs = self.pinned_out[prog]
         want = tuple(outs) if want is None else tuple(want)
         bufs = self.buffers[prog]
+        res = {}
         for n in want:
             m, h = outs[n]
             a = bufs[n]
-            cp.cuda.runtime.memcpyAsync(m.ptr, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
-                                        self.stream.ptr)
+            lo, hi = (0, a.shape[0]) if rows is None or a.ndim == 0 else rows
+            per = a.nbytes // max(1, a.shape[0]) if a.ndim else a.nbytes
+            cp.cuda.runtime.memcpyAsync(m.ptr + lo * per, a.data.ptr + lo * per, (hi - lo) * per,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            res[n] = h[lo:hi] if a.ndim else h
         self.stream.synchronize()
-        return {n: outs[n][1] for n in want}
+        return res
 
     def profile(self, prog: str = "decode", reps: int = 20) -> dict:
         """Device time per op kind (ms per run): the launches of each kind captured into a graph of their

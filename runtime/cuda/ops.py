@@ -10,7 +10,7 @@ except Exception:                        # pragma: no cover - depends on the mac
 from .ops_src import SOURCE
 
 NAMES = ("embed_k<0>", "embed_k<1>", "embed_k<2>", "rmsnorm_k", "rope_k", "rope_qk_kv_k", "kv_write_k",
-         "attention_k<1>", "attention_k<2>", "attention_k<4>", "attention_k<8>", "swiglu_k", "add_k",
+         "attention_k<1>", "attention_k<2>", "attention_k<4>", "attention_k<8>", *(f"attn_chunk_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "add_k",
          "scale_cols_k", "scale_cols_e_k", "moe_topk_k", "moe_combine_k", "argmax_k", "advance_k")
 OPTIONS = ("-std=c++17",)
 _K: dict = {}

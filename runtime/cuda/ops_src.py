@@ -215,6 +215,135 @@ __global__ void attention_k(const float *__restrict__ q, const float *__restrict
   }
 }
 
+// Prompt-chunk attention: one CTA per (kv head, block of RB rows). Its QN = 32 * QPT query vectors (RB
+// rows x the G = H / KV query heads of the kv head) walk the cache in tiles of 32 keys staged in shared
+// memory: each key and value row is read once per CTA, not once per (query head, row). Each score is
+// the same float32 FMA chain over d as attention_k's; online softmax per query vector. A CTA's rows
+// share one slot (a prefill chunk's do): a row of another slot gets NaN, never another slot's keys.
+template <int DPL, int QPT>
+__global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const float *__restrict__ ck,
+    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+    int rows, int H, int KV, int D, int ctx, float scale) {
+  constexpr int QN = 32 * QPT, KT = 32, RW = QN / 8, PS = KT + 1;
+  extern __shared__ float sh[];
+  __shared__ int qpos[QN];
+  __shared__ int lead, smax;
+  const int DP = D + 1, G = H / KV, RB = QN / G;
+  float *Qs = sh, *Ks = Qs + QN * DP, *Vs = Ks + KT * DP, *Ps = Vs + KT * D;
+  const int kvh = blockIdx.x, r0 = blockIdx.y * RB, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  if (tid == 0) {
+    int l = -1;
+    for (int i = 0; i < RB && r0 + i < rows && l < 0; i++) if (pos[r0 + i] >= 0) l = slot[r0 + i];
+    lead = l; smax = -1;
+  }
+  __syncthreads();
+  if (tid < QN) {
+    const int r = r0 + tid / G;
+    int p = -1;
+    if (tid < RB * G && r < rows && pos[r] >= 0) p = slot[r] == lead ? min(pos[r], ctx - 1) : -2;
+    qpos[tid] = p;
+    atomicMax(&smax, p);
+  }
+  for (int i = tid; i < QN * D; i += blockDim.x) {
+    const int qv = i / D, d = i - qv * D, r = r0 + qv / G, h = kvh * G + qv % G;
+    Qs[qv * DP + d] = (qv < RB * G && r < rows) ? q[((size_t)r * H + h) * D + d] : 0.f;
+  }
+  __syncthreads();
+  const int tmax = smax;
+  const size_t rs = (size_t)KV * D;
+  const float *Kb = ck + (size_t)max(lead, 0) * ctx * rs + (size_t)kvh * D;
+  const float *Vb = cv + (size_t)max(lead, 0) * ctx * rs + (size_t)kvh * D;
+  float m[RW], l[RW], acc[RW][DPL];
+#pragma unroll
+  for (int i = 0; i < RW; i++) {
+    m[i] = NEG_INF; l[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < DPL; j++) acc[i][j] = 0.f;
+  }
+  const int qa = (tid >> 3) * QPT, kj = tid & 7;
+  for (int t0 = 0; t0 <= tmax; t0 += KT) {
+    __syncthreads();                                   // the last tile's K, V and P are no longer read
+    for (int i = tid; i < KT * D; i += blockDim.x) {
+      const int j = i / D, d = i - j * D, t = t0 + j;
+      const bool ok = t <= tmax;
+      Ks[j * DP + d] = ok ? Kb[(size_t)t * rs + d] : 0.f;
+      Vs[j * D + d] = ok ? Vb[(size_t)t * rs + d] : 0.f;
+    }
+    __syncthreads();
+    float s[QPT][4];
+#pragma unroll
+    for (int a = 0; a < QPT; a++)
+#pragma unroll
+      for (int u = 0; u < 4; u++) s[a][u] = 0.f;
+    for (int d = 0; d < D; d++) {
+      float kv[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) kv[u] = Ks[(kj + 8 * u) * DP + d];
+#pragma unroll
+      for (int a = 0; a < QPT; a++) {
+        const float qd = Qs[(qa + a) * DP + d];
+#pragma unroll
+        for (int u = 0; u < 4; u++) s[a][u] = fmaf(qd, kv[u], s[a][u]);
+      }
+    }
+#pragma unroll
+    for (int a = 0; a < QPT; a++)
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int j = kj + 8 * u;
+        Ps[(qa + a) * PS + j] = (t0 + j <= qpos[qa + a]) ? s[a][u] * scale : NEG_INF;
+      }
+    __syncthreads();
+    float c[RW];
+#pragma unroll
+    for (int i = 0; i < RW; i++) {                     // warp w owns query vectors w*RW .. w*RW+RW-1
+      const int qv = w * RW + i;
+      const float sc = Ps[qv * PS + lane];
+      float tm = sc;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+      const float mn = fmaxf(m[i], tm);
+      const float e = (sc == NEG_INF) ? 0.f : expf(sc - mn);
+      c[i] = (mn == NEG_INF) ? 1.f : expf(m[i] - mn);
+      float es = e;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) es += __shfl_xor_sync(0xffffffffu, es, o);
+      l[i] = l[i] * c[i] + es;
+      m[i] = mn;
+      Ps[qv * PS + lane] = e;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < RW; i++)
+#pragma unroll
+      for (int j = 0; j < DPL; j++) acc[i][j] *= c[i];
+    const int nk = min(KT, tmax - t0 + 1);
+    for (int j = 0; j < nk; j++) {
+      float v[DPL];
+#pragma unroll
+      for (int dd = 0; dd < DPL; dd++) { const int d = lane + 32 * dd; v[dd] = d < D ? Vs[j * D + d] : 0.f; }
+#pragma unroll
+      for (int i = 0; i < RW; i++) {
+        const float pj = Ps[(w * RW + i) * PS + j];
+#pragma unroll
+        for (int dd = 0; dd < DPL; dd++) acc[i][dd] = fmaf(pj, v[dd], acc[i][dd]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RW; i++) {
+    const int qv = w * RW + i, r = r0 + qv / G, h = kvh * G + qv % G;
+    if (qv >= RB * G || r >= rows) continue;
+    float *o = out + ((size_t)r * H + h) * D;
+    const int p = qpos[qv];
+#pragma unroll
+    for (int dd = 0; dd < DPL; dd++) {
+      const int d = lane + 32 * dd;
+      if (d < D) o[d] = p == -1 ? 0.f : p == -2 ? __int_as_float(0x7fc00000) : acc[i][dd] / l[i];
+    }
+  }
+}
+
 // swiglu: out = silu(gate) * up, silu(x) = x / (1 + exp(-x))
 __global__ void swiglu_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
