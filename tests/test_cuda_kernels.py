@@ -77,6 +77,29 @@ def test_gemv_matches_float64(fmt, shape):
     check(lin, W, 2, rng, accumulate=True)
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0] + [(16, 14336)])
+def test_gemv_nvfp4_tensor_cores(shape):
+    """gemv_nvfp4_mma (batch 1; larger batches fall back to the CUDA-core kernel): x split into f16
+    hi + lo after a power-of-two scaling, so activations beyond f16's range (1e6 here) stay exact."""
+    rng = np.random.default_rng(zlib.crc32(repr(("mma", shape)).encode()))
+    W, arrays = artifact("nvfp4", shape, rng)
+    lin = G.Linear("nvfp4", shape, {k: cp.asarray(v) for k, v in arrays.items()}, mma=True)
+    assert lin.mma and lin.kernel_name(1).startswith("gemv_nvfp4_mma")
+    # x carried to ~22 bits; the tensor cores' float32 accumulation is not IEEE round-to-nearest:
+    # 2e-5 of the bound, as the exact prompt GEMM (tests/test_cuda_gemm.py)
+    check(lin, W, 1, rng, tol=2e-5)
+    check(lin, W, 1, rng, accumulate=True, tol=2e-5)
+    check(lin, W, 3, rng)
+    x = rng.standard_normal((1, shape[1])).astype(np.float32) * np.float32(1e-3)
+    x[0, ::7] *= np.float32(1e9)                            # |x| up to ~1e6: past f16's 65504
+    y = cp.full((1, shape[0]), cp.nan, dtype=cp.float32)
+    lin(cp.asarray(x), y)
+    ref = x.astype(np.float64) @ W.T
+    bound = np.abs(x.astype(np.float64)) @ np.abs(W).T
+    err = np.abs(cp.asnumpy(y).astype(np.float64) - ref)
+    assert np.isfinite(cp.asnumpy(y)).all() and (err <= 2e-5 * bound + 1e-30).all()
+
+
 def test_gemv_1d_and_refusals():
     rng = np.random.default_rng(1)
     W, arrays = artifact("fp8_channel", (64, 128), rng)

@@ -262,8 +262,7 @@ class CudaExecutor:
                 c = lin.config or G.default_config(lin.kind, lin.out, lin.inn, 1)
                 names[G.kernel_name(lin.kind, c.R, 1, c.U, c.WPC, experts=True)] = None
             else:
-                c = lin.config or G.default_config(lin.kind, lin.out, lin.inn, nb)
-                names[G.kernel_name(lin.kind, c.R, G.batch_bucket(nb), c.U, c.WPC)] = None
+                names[lin.kernel_name(nb)] = None
         if names:
             G.compile_kernels(list(names))
 

@@ -220,10 +220,20 @@ def default_config(kind: str, out: int, inn: int, nb: int = 1) -> Config:
     return Config(R=2, T=128 if nch >= 512 else 64 if nch >= 64 else 32, U=1, WPC=WPC)
 
 
-class Linear:
-    """One weight matrix in its artifact layout on the device, with its kernel chosen."""
+def mma_warps(out: int) -> int:
+    """Warps per CTA of gemv_nvfp4_mma (16 rows a CTA): enough warps in flight on 132 SMs."""
+    ctas = -(-out // 16)
+    return 16 if ctas < 264 else 8 if ctas < 1024 else 4
 
-    def __init__(self, fmt: str, shape, arrays: Mapping, config: Config | None = None, defines=()):
+
+class Linear:
+    """One weight matrix in its artifact layout on the device, with its kernel chosen.
+    mma=True: GGML NVFP4 at batch 1 on the tensor cores (gemv_nvfp4_mma). Off by default: exact,
+    but measured 0.47-0.73x the CUDA-core kernel's speed on the Llama-3-8B shapes
+    (docs/kernels.md); kept, tested, for the next iteration."""
+
+    def __init__(self, fmt: str, shape, arrays: Mapping, config: Config | None = None, defines=(),
+                 mma: bool = False):
         if cp is None:
             raise RuntimeError("gemv.Linear needs CuPy and a CUDA GPU")
         self.fmt = fmt
@@ -250,6 +260,10 @@ class Linear:
             self.s = self.arrays["scale"]
         self.nbytes = sum(int(a.nbytes) for k, a in self.arrays.items() if k in ("weight", "scale", "scale_2"))
         self._kern = {}
+        ok = self.kind == "nvfp4_ggml" and not self.experts
+        self.mma = ok and bool(mma)
+        if mma and not ok:
+            raise NotImplementedError(f"gemv {fmt} [{self.out}, {self.inn}]: the tensor-core GEMV reads GGML NVFP4 only")
         if self.experts:                     # per-expert strides in the kernels' pointer units
             E = self.experts
             wb = int(self.w.nbytes) // E
@@ -258,8 +272,24 @@ class Linear:
             self.scst = int(self.sc.size) // E if self.sc is not None and self.sc.size > 1 else 0
             self.expert_nbytes = self.nbytes // E
 
+    def kernel_name(self, nb: int) -> str:
+        """The name of the kernel a launch of nb rows uses (for precompiling)."""
+        if self.mma and nb == 1:
+            return f"gemv_nvfp4_mma<{mma_warps(self.out)}>"
+        c = self.config or default_config(self.kind, self.out, self.inn, nb)
+        return kernel_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC)
+
     def kernel(self, nb: int):
         B = batch_bucket(nb)
+        if B == 1 and self.mma:
+            if "mma" not in self._kern:
+                name = self.kernel_name(1)
+                k = compile_kernels([name], self.defines)[name]
+                smem = 4 * self.inn
+                if smem > 48 * 1024:
+                    k.max_dynamic_shared_size_bytes = smem
+                self._kern["mma"] = (k, smem)
+            return self._kern["mma"]
         if B not in self._kern:
             c = self.config or default_config(self.kind, self.out, self.inn, nb)
             name = kernel_name(self.kind, c.R, B, c.U, c.WPC)
@@ -310,6 +340,12 @@ class Linear:
 
     def launch(self, x, y, nb: int, accumulate: bool = False):
         """Raw launch, no checks (x, y device arrays as in __call__)."""
+        if nb == 1 and self.mma:
+            kern, smem = self.kernel(1)
+            kern((-(-self.out // 16),), (32 * mma_warps(self.out),),
+                 (self.w, self.sc, x, y, cp.int32(self.out), cp.int32(self.inn), cp.int32(int(accumulate))),
+                 shared_mem=smem)
+            return
         kern, c = self.kernel(nb)
         grid = (math.ceil(self.out / (c.T // 32 if self.kind == "mxfp4" else c.R)),)
         i32 = cp.int32

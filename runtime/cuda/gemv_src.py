@@ -313,6 +313,108 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
 }
 
+// ---- GGML NVFP4 on the tensor cores (batch 1): mma.sync m16n8k16, f16 in, float32 accumulate.
+// A CTA computes 16 rows; its warps split the row's 64-blocks. Per block, thread (g = lane/4, c = lane%4)
+// loads data words 2c, 2c+1 (sub-block c: elements 16c..16c+15) of rows g and g+8 and scale byte c.
+// Each word's low / high nibbles become E4M3 bytes (value e2m1 * 2^-6), then f16x2, times the
+// sub-block scale in f16 (e2m1 * E4M3 * 2^-6 is exact in f16): the A fragments of four k16 mmas,
+// the k slots 2c, 2c+1, 2c+8, 2c+9 of mma j holding elements 16c + off_j + 0..3 (off = 0, 8, 4, 12),
+// a permutation of the block's 64 elements (the sum does not depend on the order). B column 0 holds
+// x's high f16 part, column 1 the low part (x = hi + lo to ~22 bits; x scaled by a power of two so
+// |x| < 2^15, undone at the end): staged once per CTA in shared memory. Products are exact; the
+// tensor cores accumulate in float32 across the whole row. ----
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {
+  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// one data word's 8 values (scaled) as the f16x2 pairs (el 0,1), (el 2,3) of its low nibbles, then of its high
+__device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
+  const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
+  h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
+  h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
+}
+
+template <int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restrict__ W, const float *__restrict__ sc,
+    const float *__restrict__ x, float *__restrict__ y, int out, int in, int add) {
+  extern __shared__ u32 xs[];                       // [2][in / 2]: x hi f16 pairs, then lo
+  __shared__ float red[WARPS][16];
+  __shared__ float wmax[WARPS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nblk = in / 64, rowbytes = nblk * 36, row0 = blockIdx.x * 16;
+  float m = 0.f;
+  for (int i = threadIdx.x; i < in; i += blockDim.x) m = fmaxf(m, fabsf(x[i]));
+#pragma unroll
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) wmax[warp] = m;
+  __syncthreads();
+  m = 0.f;
+#pragma unroll
+  for (int i = 0; i < WARPS; i++) m = fmaxf(m, wmax[i]);
+  const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;     // |x| * 2^(14 - e) < 2^15
+  const float xsc = __uint_as_float((u32)(127 + 14 - e) << 23), xinv = __uint_as_float((u32)(127 - 14 + e) << 23);
+  for (int i = threadIdx.x; i < in / 2; i += blockDim.x) {
+    const float2 v = *reinterpret_cast<const float2 *>(x + 2 * i);
+    const float a = v.x * xsc, b = v.y * xsc;
+    const u32 h = f2h2(a, b);
+    float ha, hb;
+    h2f2(h, ha, hb);
+    xs[i] = h;
+    xs[in / 2 + i] = f2h2(a - ha, b - hb);
+  }
+  __syncthreads();
+  const int g = lane >> 2, c = lane & 3;
+  const int ra = min(row0 + g, out - 1), rb = min(row0 + g + 8, out - 1);
+  const u8 *pa = W + (size_t)ra * rowbytes + 4 + 8 * c, *pb = W + (size_t)rb * rowbytes + 4 + 8 * c;
+  const u8 *sa = W + (size_t)ra * rowbytes + c, *sb = W + (size_t)rb * rowbytes + c;
+  const uint4 *xb = reinterpret_cast<const uint4 *>(xs + (g & 1) * (in / 2)) + 2 * c;   // + blk * 8 per block
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  constexpr int U = 2;                               // blocks in flight per warp
+  for (int b0 = warp; b0 < nblk; b0 += U * WARPS) {
+    u32 wa[U][2], wb[U][2], s8a[U], s8b[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = min(b0 + u * WARPS, nblk - 1);
+      const size_t o = (size_t)blk * 36;
+      wa[u][0] = __ldg(reinterpret_cast<const u32 *>(pa + o)); wa[u][1] = __ldg(reinterpret_cast<const u32 *>(pa + o + 4));
+      wb[u][0] = __ldg(reinterpret_cast<const u32 *>(pb + o)); wb[u][1] = __ldg(reinterpret_cast<const u32 *>(pb + o + 4));
+      s8a[u] = __ldg(sa + o); s8b[u] = __ldg(sb + o);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int blk = b0 + u * WARPS;
+      if (blk >= nblk) break;
+      const uint4 q0 = xb[blk * 8], q1 = xb[blk * 8 + 1];     // x elements 16c + 0..7, 8..15 of this block
+      const u32 s2a = e4m3x2_h2(s8a[u] | (s8a[u] << 8)), s2b = e4m3x2_h2(s8b[u] | (s8b[u] << 8));
+      u32 A0[4], A1[4], B0[4], B1[4];
+      nvfp4_word_h2(wa[u][0], s2a, A0); nvfp4_word_h2(wa[u][1], s2a, A1);
+      nvfp4_word_h2(wb[u][0], s2b, B0); nvfp4_word_h2(wb[u][1], s2b, B1);
+      // word 0 low: elements 0..3 (off 0); word 0 high: 8..11 (off 8); word 1 low: 4..7; word 1 high: 12..15
+      mma16816(d, A0[0], B0[0], A0[1], B0[1], q0.x, q0.y);
+      mma16816(d, A0[2], B0[2], A0[3], B0[3], q1.x, q1.y);
+      mma16816(d, A1[0], B1[0], A1[1], B1[1], q0.z, q0.w);
+      mma16816(d, A1[2], B1[2], A1[3], B1[3], q1.z, q1.w);
+    }
+  }
+  if (c == 0) { red[warp][g] = d[0] + d[1]; red[warp][g + 8] = d[2] + d[3]; }   // column 0 (hi) + 1 (lo)
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    const int row = row0 + threadIdx.x;
+    if (row < out) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; w++) v += red[w][threadIdx.x];
+      v *= __ldg(sc) * 64.0f * xinv;
+      y[row] = add ? y[row] + v : v;
+    }
+  }
+}
+
 // ---- GGML Q8_0: rows of in/32 blocks of 34 bytes (F16 d, then 32 int8). 8 threads per block:
 // thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
 template <int R, int BMAX, int U>
