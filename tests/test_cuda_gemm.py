@@ -11,20 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy", reason="CuPy is not installed: the CUDA GEMM tests need it and a GPU")
-try:
-    _ndev = cp.cuda.runtime.getDeviceCount()
-except Exception as e:                                   # no driver / no device
-    _ndev, _why = 0, f"{type(e).__name__}: {e}"
-else:
-    _why = "no CUDA device"
-if not _ndev:
-    pytest.skip(f"no CUDA GPU ({_why})", allow_module_level=True)
+from bloomery.runtime.cuda import gemm as M
+from bloomery.runtime.cuda import gemv as G
 
-from bloomery.runtime.cuda import gemm as M               # noqa: E402
-from bloomery.runtime.cuda import gemv as G               # noqa: E402
-
-from test_cuda_kernels import artifact                    # noqa: E402
+from test_cuda_kernels import artifact, cp                # skips, visibly, without CuPy or a GPU
 
 pytestmark = pytest.mark.gpu
 
