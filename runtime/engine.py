@@ -148,11 +148,11 @@ class Engine:
         return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
 
     def _run(self, prog: str, inputs: dict, want: tuple, rows: tuple | None = None):
-        """The executor's run; the CUDA executor copies back only the outputs in `want`. rows=(lo, hi):
-        only those rows of each output are returned (the single-GPU CUDA executor copies only them)."""
-        if self.device == "cuda" and rows is not None and getattr(self.exec, "copies_rows", False):
+        """The executor's run; the CUDA executors copy back only the outputs in `want`, and with
+        rows=(lo, hi) only those rows of them (the NumPy executor's are sliced here)."""
+        if self.device == "cuda":
             return self.exec.run(prog, inputs, want, rows=rows)
-        res = self.exec.run(prog, inputs, want) if self.device == "cuda" else self.exec.run(prog, inputs)
+        res = self.exec.run(prog, inputs)
         return res if rows is None else {k: v[rows[0]:rows[1]] for k, v in res.items()}
 
     def decode(self, tokens: Sequence[int], active: Sequence[bool] | None = None, logits: bool = True):

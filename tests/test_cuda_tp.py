@@ -38,6 +38,8 @@ def test_fake_ranks_lockstep():
         assert set(res) == {"next_token"} and int(res["next_token"][0]) == (3 + 3 + 2) % 97
         ex.reset()
         assert int(ex.run("decode", {"tokens": np.array([3], np.int32)})["next_token"][0]) == (3 + 3 + 1) % 97
+        res = ex.run("prefill", {"tokens": np.array([1, 2, 3, 4], np.int32)}, ("logits",), rows=(2, 3))
+        assert res["logits"].shape == (1, 97) and int(np.argmax(res["logits"][0])) == (3 + 10 + 2) % 97
         assert ex.disagreements == 0 and ex.call("weight_nbytes") == [1000, 1001]
     finally:
         ex.close()

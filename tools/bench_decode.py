@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,8 +78,6 @@ def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
     time), the end-to-end Engine.prefill (host included), the useful FLOPs (linears, experts, head,
     causal attention) and the per-op-kind split."""
     import cupy as cp
-
-    import os
 
     from bloomery.runtime import Engine
     old = os.environ.get("BLOOMERY_PREFILL_GEMM")

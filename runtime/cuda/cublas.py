@@ -41,11 +41,11 @@ def lib():
         if _LIB is None:
             raise OSError(f"cuBLAS could not be loaded ({err}); the prefill GEMM needs it "
                           f"(BLOOMERY_PREFILL_GEMM=off runs prompt chunks without it)")
-        V, I, P = ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p
+        V, I = ctypes.c_void_p, ctypes.c_int
         _LIB.cublasCreate_v2.argtypes = [ctypes.POINTER(V)]
         _LIB.cublasDestroy_v2.argtypes = [V]
         _LIB.cublasSetStream_v2.argtypes = [V, V]
-        _LIB.cublasGemmEx.argtypes = [V, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
+        _LIB.cublasGemmEx.argtypes = [V, I, I, I, I, I, V, V, I, I, V, I, I, V, V, I, I, I, I]
     return _LIB
 
 

@@ -40,12 +40,11 @@ try:                                    # importable without CuPy (CPU machines,
 except Exception:                        # pragma: no cover - depends on the machine
     cp = None
 
+from bloomery.core import levers
 from bloomery.core import plan as P
 
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops.rope import inv_freq
-from bloomery.core import levers
-
 from . import gemm as M
 from . import gemv as G
 from . import ops as K
@@ -136,7 +135,7 @@ class DeviceWeights:
 
 class CudaExecutor:
     def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
-                 rank: int = 0, collectives=None, prefill_gemm: str | None = None):
+                 rank: int = 0, collectives=None):
         if cp is None:
             raise DeviceUnavailable("the CUDA executor needs CuPy")
         self.rank, self.coll = int(rank), collectives
@@ -149,7 +148,7 @@ class CudaExecutor:
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
-        self.gemm_mode = prefill_gemm or levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+        self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
         self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
@@ -190,7 +189,6 @@ class CudaExecutor:
                     m = cp.cuda.alloc_pinned_memory(max(4, a.nbytes))
                     outs[n] = (m, np.frombuffer(m, a.dtype, a.size).reshape(a.shape))
             self.pinned_out[prog] = outs
-            self._prog = prog
             self.steps[prog] = self._bind(prog, rows)
         self.load_s = time.perf_counter() - t0
         self.warm_s = 0.0
@@ -269,10 +267,11 @@ class CudaExecutor:
     def _scratch(self, shape, dtype=np.float32):
         return cp.zeros(shape, dtype)
 
-    def _gemv(self, lin: G.Linear, x, y, rows: int, accumulate: bool = False, exact: bool = False) -> list:
+    def _gemv(self, prog: str, lin: G.Linear, x, y, rows: int, accumulate: bool = False,
+              exact: bool = False) -> list:
         """y[:rows] = W x[:rows] (+ y): the GEMV kernels in launches of at most 8 rows, or, for more
         rows, the tensor-core GEMM (gemm.py) when the mode allows and the format has a decoder."""
-        self.flops[self._prog]["linear"] += 2 * rows * lin.out * lin.inn
+        self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
             if self.mm is None:
                 self.mm = M.Matmul(self.stream, self.gemm_mode)
@@ -322,7 +321,7 @@ class CudaExecutor:
             x = xs
         if prog == "decode":
             self.decode_bytes += lin.nbytes + (pq.nbytes if pq is not None else 0)
-        return steps + self._gemv(lin, x, y, rows, accumulate=acc is not None)
+        return steps + self._gemv(prog, lin, x, y, rows, accumulate=acc is not None)
 
     def _op_logits(self, op, bufs, rows, prog):
         t = self.w.table[op["weight"]]
@@ -332,7 +331,7 @@ class CudaExecutor:
             lin = self.w.linear(op["weight"])
         if prog == "decode":
             self.decode_bytes += lin.nbytes
-        return self._gemv(lin, bufs[op["x"]], bufs[op["out"]], rows)
+        return self._gemv(prog, lin, bufs[op["x"]], bufs[op["out"]], rows)
 
     def _op_rope(self, op, bufs, rows, prog):
         x, out, pos = bufs[op["x"]], bufs[op["out"]], bufs[op["pos"]]
@@ -357,20 +356,21 @@ class CudaExecutor:
         nw = 8
         smem = 4 * (D + 2 * nw + nw * D)
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
-        aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
-                 np.float32(op["scale"]))
-        attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
         self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
         chunk = self._attn_chunk(H, KV, D) if prog != "decode" else None
         if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
-            ck_, qpt, rb, csmem = chunk
+            kc, rb, csmem = chunk
             cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
                      np.int32(ctx), np.float32(op["scale"]))
-            attend = lambda: ck_((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
+            attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
+        else:
+            aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
+                     np.float32(op["scale"]))
+            attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
         return [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
 
     def _attn_chunk(self, H: int, KV: int, D: int):
-        """(kernel, QPT, rows per CTA, shared bytes) of attn_chunk_k for this head shape, or None (the
+        """(kernel, rows per CTA, shared bytes) of attn_chunk_k for this head shape, or None (the
         per-row kernel then serves prompt chunks too)."""
         G = H // KV
         qpt = 2 if D <= 128 and G <= 64 else 1 if D <= 256 and G <= 32 else 0
@@ -382,7 +382,7 @@ class CudaExecutor:
         kern = self.k[f"attn_chunk_k<{dpl}, {qpt}>"]
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
-        return kern, qpt, qn // G, smem
+        return kern, qn // G, smem
 
     def _op_swiglu(self, op, bufs, rows, prog):
         g, u, out = bufs[op["gate"]], bufs[op["up"]], bufs[op["out"]]
@@ -405,7 +405,7 @@ class CudaExecutor:
         lin = self.w.linear(op["weight"])
         E, k = lin.out, int(op["top_k"])
         lg = self._scratch((rows, E))
-        steps = self._gemv(lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
+        steps = self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
         kern = self.k["moe_topk_k"]
         args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
         if prog == "decode":
@@ -529,8 +529,6 @@ class CudaExecutor:
             self.graph[prog] = graph
             graph.launch(s)              # a replay with the inactive inputs: checks the graph runs
             s.synchronize()
-
-    copies_rows = True                   # run() takes rows=(lo, hi) (Engine._run)
 
     def run(self, prog: str, inputs: dict, want=None, rows: tuple | None = None) -> dict:
         """Sets the inputs, replays the program, returns the outputs in `want` (default: all) as host

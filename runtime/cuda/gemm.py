@@ -70,7 +70,7 @@ class Matmul:
     """The executor's prefill GEMM: one cuBLAS handle on its stream, one weight scratch, one
     activation scratch (grown while binding, fixed before the first launch)."""
 
-    def __init__(self, stream, mode: str = "bf16"):
+    def __init__(self, stream, mode: str = "bf16x2"):
         if mode not in MODES:
             raise ValueError(f"prefill GEMM mode {mode!r}; known: {', '.join(MODES)}")
         self.mode, self.stream = mode, stream
@@ -147,26 +147,21 @@ class Matmul:
         if kind == "bf16":
             return lambda: (lin.w, None)
         i32 = np.int32
-        lo = ()
+        takes_lo = kind not in ("nvfp4_ggml", "mxfp4")       # the kernels with a lo tile argument
         if kind == "nvfp4_ggml":
-            kern, n = self.k["deq_nvfp4_ggml_k"], out * (inn // 64) * 8
-            tail = ()
+            kern, n, scales = self.k["deq_nvfp4_ggml_k"], out * (inn // 64) * 8, ()
         elif kind == "q8_0":
-            kern, n = self.k["deq_q8_0_k"], out * (inn // 32) * 8
-            tail, lo = (), (True,)
+            kern, n, scales = self.k["deq_q8_0_k"], out * (inn // 32) * 8, ()
         elif kind == "mxfp4":
-            kern, n = self.k["deq_mxfp4_ggml_k"], out * (inn // 32) * 16
-            tail = ()
+            kern, n, scales = self.k["deq_mxfp4_ggml_k"], out * (inn // 32) * 16, ()
         else:
             kern, n = self.k[f"deq_plain_k<{G.FMT_ID[kind]}>"], out * (inn // G.EPW[kind])
-            s = lin.s if lin.s is not None else lin.w
-            sc = lin.sc if lin.sc is not None else lin.w
-            tail, lo = (s, sc), (True,)
+            scales = (lin.s if lin.s is not None else lin.w, lin.sc if lin.sc is not None else lin.w)
         grid = _grid(n)
 
         def run():
             w, wlo = self.w, (self.wlo if wsplit else None)
-            extra = ((wlo if wsplit else np.uint64(0)),) if lo else ()
-            kern(grid, (256,), (lin.w, *tail, w, *extra, i32(out), i32(inn)))
+            lo_arg = (wlo if wsplit else np.uint64(0),) if takes_lo else ()
+            kern(grid, (256,), (lin.w, *scales, w, *lo_arg, i32(out), i32(inn)))
             return w, wlo
         return run

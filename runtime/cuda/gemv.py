@@ -279,17 +279,19 @@ class Linear:
         c = self.config or default_config(self.kind, self.out, self.inn, nb)
         return kernel_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC)
 
+    def _mma_kernel(self):
+        """(gemv_nvfp4_mma kernel, its shared bytes: x's f16 hi and lo parts)."""
+        if "mma" not in self._kern:
+            name = self.kernel_name(1)
+            k = compile_kernels([name], self.defines)[name]
+            smem = 4 * self.inn
+            if smem > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = smem
+            self._kern["mma"] = (k, smem)
+        return self._kern["mma"]
+
     def kernel(self, nb: int):
         B = batch_bucket(nb)
-        if B == 1 and self.mma:
-            if "mma" not in self._kern:
-                name = self.kernel_name(1)
-                k = compile_kernels([name], self.defines)[name]
-                smem = 4 * self.inn
-                if smem > 48 * 1024:
-                    k.max_dynamic_shared_size_bytes = smem
-                self._kern["mma"] = (k, smem)
-            return self._kern["mma"]
         if B not in self._kern:
             c = self.config or default_config(self.kind, self.out, self.inn, nb)
             name = kernel_name(self.kind, c.R, B, c.U, c.WPC)
@@ -341,7 +343,7 @@ class Linear:
     def launch(self, x, y, nb: int, accumulate: bool = False):
         """Raw launch, no checks (x, y device arrays as in __call__)."""
         if nb == 1 and self.mma:
-            kern, smem = self.kernel(1)
+            kern, smem = self._mma_kernel()
             kern((-(-self.out // 16),), (32 * mma_warps(self.out),),
                  (self.w, self.sc, x, y, cp.int32(self.out), cp.int32(self.inn), cp.int32(int(accumulate))),
                  shared_mem=smem)

@@ -76,6 +76,18 @@ __device__ __forceinline__ uint4 ldw4(const u32 *p) {
 #endif
 }
 
+// every row-tiled body starts so: partial sums zeroed, its R rows clamped to the matrix (a CTA past
+// the last row reads the last row again and stores nothing)
+template <int R, int BMAX>
+__device__ __forceinline__ void start_rows(float (&acc)[R][BMAX], int (&rowc)[R], int row0, int out) {
+#pragma unroll
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
+#pragma unroll
+  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+}
+
 template <int R, int BMAX>
 __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__restrict__ y, const float *rs,
                                              int row0, int out, int nb, int add) {
@@ -149,13 +161,8 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
   const int wpr = in / EPW, nch = wpr / WPC;
   const int row0 = blockIdx.x * R;
   float acc[R][BMAX];
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
   int rowc[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+  start_rows<R, BMAX>(acc, rowc, row0, out);
 
   for (int c0 = threadIdx.x; c0 < nch; c0 += U * blockDim.x) {
     u32 wv[U][R][WPC];
@@ -254,13 +261,8 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = blockIdx.x * R;
   float acc[R][BMAX];
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
   int rowc[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+  start_rows<R, BMAX>(acc, rowc, row0, out);
   const int koff = 16 * (t >> 1) + 4 * (t & 1);
 
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
@@ -424,13 +426,8 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = blockIdx.x * R;
   float acc[R][BMAX];
-#pragma unroll
-  for (int r = 0; r < R; r++)
-#pragma unroll
-    for (int b = 0; b < BMAX; b++) acc[r][b] = 0.f;
   int rowc[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
+  start_rows<R, BMAX>(acc, rowc, row0, out);
 
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];

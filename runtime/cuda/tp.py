@@ -106,7 +106,7 @@ class FakeRank:
         self.rank, self.step, self.fail_at = rank, 0, symbols.get("fail_at")
         self.uid = uid
 
-    def run(self, prog, inputs, want=None):
+    def run(self, prog, inputs, want=None, rows=None):
         self.step += 1
         if self.fail_at is not None and self.step == self.fail_at:
             raise RuntimeError(f"fake rank {self.rank}: failure at run {self.step}")
@@ -115,7 +115,8 @@ class FakeRank:
         lg = np.zeros((t.size, 97), np.float32)
         lg[np.arange(t.size), nt] = 1.0
         outs = {"next_token": nt, "logits": lg}
-        return {n: outs[n] for n in (want or outs)}
+        lo, hi = rows if rows is not None else (0, t.size)
+        return {n: outs[n][lo:hi] for n in (want or outs)}
 
     def reset(self, slot=None):
         self.step = 0
@@ -154,8 +155,8 @@ def _worker(rank: int, world: int, uid, path: str, symbols: dict, graphs, factor
         cmd = msg[0]
         try:
             if cmd == "run":
-                _, prog, inputs, want = msg
-                res = ex.run(prog, inputs, want)
+                _, prog, inputs, want, rows = msg
+                res = ex.run(prog, inputs, want, rows=rows)
                 if rank == 0:
                     conn.send(("ok", {n: np.array(v) for n, v in res.items()}))
                 else:
@@ -247,9 +248,11 @@ class TpCudaExecutor:
             raise err
         return out
 
-    def run(self, prog: str, inputs: dict, want=None) -> dict:
+    def run(self, prog: str, inputs: dict, want=None, rows: tuple | None = None) -> dict:
+        """Every rank runs; rank 0's outputs in `want` (rows=(lo, hi): only those rows, as
+        CudaExecutor.run)."""
         inputs = {n: np.asarray(v) for n, v in inputs.items()}
-        res = self._all(("run", prog, inputs, None if want is None else tuple(want)))
+        res = self._all(("run", prog, inputs, None if want is None else tuple(want), rows))
         self.steps += 1
         nt0 = res[0].get("next_token")
         for r in res[1:]:
