@@ -1,6 +1,7 @@
 """`bloomery inspect` on every real ModelOpt export of `make models`: the right format for every
 weight, totals that add up, the same tensors as the BF16 model they came from, and values that
-decode close to it (the quantization error, not a misread layout)."""
+decode bit for bit to the oracle's own dequantization (tools/dequant.py, which shares no code
+with core/formats); the BF16 model they came from bounds the error only as a sanity check."""
 
 import json
 
@@ -10,13 +11,14 @@ from click.testing import CliRunner
 
 from bloomery.cli import main
 from bloomery.compiler.checkpoint import Checkpoint
-from bloomery.tools import models
+from bloomery.tools import dequant, models
 
 # export name -> the formats its quantized linears are in
 QUANTIZED = {"nvfp4": {"nvfp4"}, "nvfp4_fp8kv": {"nvfp4"}, "nvfp4_awq": {"nvfp4"}, "nvfp4_w4a16": {"nvfp4"},
              "fp8": {"fp8_tensor"}, "fp8_channel": {"fp8_channel"}, "fp8_pb_wo": {"fp8_block128"},
              "mxfp8": {"mxfp8"}, "mxfp4": {"mxfp4"}, "mixed_nvfp4_fp8": {"nvfp4", "fp8_tensor"}}
-# relative L2 error of a decoded weight against the BF16 original: a bound per format family
+# relative L2 error of a decoded weight against the BF16 original: a sanity bound per format
+# family (the quantization error; the bit-exact check against tools/dequant.py is the real one)
 ERROR = {"nvfp4": 0.2, "mxfp4": 0.25, "fp8_tensor": 0.08, "fp8_channel": 0.08, "fp8_block128": 0.08, "mxfp8": 0.08}
 REFUSED = {"w4a8_nvfp4_fp8"}   # NVFP4 in groups of 32: refused by name (UnknownQuantAlgo)
 EXPORTS = [n for n in models.SPECS if n.split("/")[1] in QUANTIZED]
@@ -50,15 +52,27 @@ def test_inspect_export(name):
         assert tuple(t["shape"]) == ref.tensors[n].shape, n
     if name.endswith("_fp8kv"):
         assert obj["quantization"]["kv_cache_quant_algo"] == "FP8" and obj["kv_scales"]
-    if name.endswith("_awq"):
-        return   # AWQ folds its smoothing into the norms and weights: values differ from the BF16 model by design
     ck = Checkpoint.open(models.model_dir(name))
+    oracle = dequant.folder_weights(models.model_dir(name))
+    assert set(oracle) == set(ck.tensors), sorted(set(oracle) ^ set(ck.tensors))[:8]
+    checked = 0
     for n, t in ck.tensors.items():
+        got = t.decode()
+        if "pre_quant_scale" in t.sources:       # NVFP4_AWQ: the folded value, as the oracle loads it
+            got = got * np.asarray(t.sources["pre_quant_scale"].array(), np.float32)[None, :]
+        want = oracle[n].numpy()
+        assert got.shape == want.shape, (n, got.shape, want.shape)
+        assert np.array_equal((got + np.float32(0)).view(np.int32), (want + np.float32(0)).view(np.int32)), \
+            (n, t.format.name, int((got != want).sum()))
+        checked += 1
         if n not in rows or not rows[n]["scales"]:
             continue
-        got, want = t.decode(), ref.tensors[n].decode()
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        src = ref.tensors[n].decode()
+        if name.endswith("_awq") and "pre_quant_scale" not in t.sources:
+            continue   # AWQ folds its smoothing into the norms too: only the folded linears track the source
+        err = np.linalg.norm(got - src) / np.linalg.norm(src)
         assert err < ERROR[t.format.name], (n, t.format.name, err)
+    assert checked == len(ck.tensors)
 
 
 @pytest.mark.models

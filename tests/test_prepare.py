@@ -168,29 +168,75 @@ def test_refusal_leaves_previous_artifact(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["good", "bad", "out", ".out.lock"])
 
 
+@pytest.fixture(scope="module")
+def new_sums(tmp_path_factory):
+    """SHA256SUMS of the new artifact of the SIGKILL tests (SmolLM2 NVFP4) at tp 1 and tp 2, each
+    prepared separately, uninterrupted (prepare is deterministic: test_same_input_same_bytes)."""
+    src, got = need("smollm2-135m/nvfp4"), {}
+
+    def sums(tp):
+        if tp not in got:
+            ref = tmp_path_factory.mktemp(f"sigkill-ref-tp{tp}") / "art"
+            prepare(src, ref, tp=tp, progress=False)
+            got[tp] = (ref / "SHA256SUMS").read_bytes()
+        return got[tp]
+    return sums
+
+
+# kill point -> (tp of the new artifact, the side `out` must be on after the kill). BLOOMERY_TEST_KILL_AT
+# (compiler/publish.py) kills at the n-th time the point is reached: tensor:40 while writing; verify:2
+# after the last shard is verified (tp 2: one shard per rank; a tp 1 SmolLM2 artifact has one shard,
+# where verify:2 is never reached), before SHA256SUMS; swap on entering publish._swap, before its first
+# rename: all leave the old artifact. swapped: right after the exchange (or the fallback's second
+# rename): the new one. A timer kill lands anywhere: old or new.
+KILLS = {"tensor:40": (1, "old"), "verify:2": (2, "old"), "swap": (1, "old"), "swapped": (1, "new"),
+         "timer:0.4": (1, None), "timer:0.9": (1, None)}
+
+
 @pytest.mark.models
-@pytest.mark.parametrize("kill", ["tensor:40", "verify:2", "swap", "timer:0.4", "timer:0.9"])
-def test_sigkill_leaves_old_or_new(tmp_path, kill):
-    """The real command killed mid-way over a previous artifact: `out` is the old one or the new one, whole."""
+@pytest.mark.parametrize("kill", list(KILLS))
+def test_sigkill_leaves_old_or_new(tmp_path, kill, new_sums):
+    """The real command SIGKILLed mid-way over a previous artifact: it was killed (not finished), and
+    `out` is whole and exactly the old artifact or exactly the new one: the side the kill point implies."""
     old_src, new_src = need("tiny-llama/nvfp4"), need("smollm2-135m/nvfp4")
+    tp, side = KILLS[kill]
+    new = new_sums(tp)
     out = tmp_path / "out"
     prepare(old_src, out, progress=False)
     old = (out / "SHA256SUMS").read_bytes()
+    assert old != new
     env = dict(os.environ)
-    if not kill.startswith("timer"):
-        env["BLOOMERY_TEST_KILL_AT"] = kill
-    p = subprocess.Popen([sys.executable, "-m", "bloomery", "prepare", str(new_src), str(out)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env.pop("BLOOMERY_TEST_KILL_AT", None)
+    cmd = [sys.executable, "-m", "bloomery", "prepare", str(new_src), str(out), "--tp", str(tp)]
     if kill.startswith("timer"):
-        time.sleep(float(kill.split(":")[1]))
-        p.send_signal(signal.SIGKILL)
-    p.wait(timeout=120)
-    art = Artifact.open(out, verify=True)         # whole, whichever it is
+        # the whole command takes about 1.3 s here: where it finished before the timer, put the old
+        # artifact back and try again sooner; it must have been killed in the end
+        delays = [float(kill.split(":")[1]) / 2 ** i for i in range(6)]
+        for delay in delays:
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(delay)
+            p.send_signal(signal.SIGKILL)          # nothing when it has already exited
+            rc = p.wait(timeout=120)
+            if rc == -signal.SIGKILL:
+                break
+            assert rc == 0, f"prepare exited {rc} before the timer of {delay} s"
+            assert (out / "SHA256SUMS").read_bytes() == new
+            prepare(old_src, out, progress=False)
+        assert rc == -signal.SIGKILL, f"prepare finished before each of the timers {delays}"
+    else:
+        env["BLOOMERY_TEST_KILL_AT"] = kill
+        rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120).returncode
+        assert rc == -signal.SIGKILL, f"BLOOMERY_TEST_KILL_AT={kill} did not kill prepare: exit status {rc}"
+    Artifact.open(out, verify=True)               # whole: every file against its SHA256SUMS
     sums = (out / "SHA256SUMS").read_bytes()
-    assert sums == old or "model.layers.29" in "".join(s for t in art.tensors(0).values() for s in t.sources)
+    assert sums in (old, new), f"after a kill at {kill}: SHA256SUMS is neither the old artifact's nor the new one's"
+    if side is not None:
+        assert sums == (old if side == "old" else new), \
+            f"after a kill at {kill}: out is the {'new' if sums == new else 'old'} artifact, expected the {side} one"
     # the next run cleans what the killed one left and publishes
-    prepare(new_src, out, progress=False)
+    prepare(new_src, out, tp=tp, progress=False)
     Artifact.open(out, verify=True)
+    assert (out / "SHA256SUMS").read_bytes() == new
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "out"]
 
 

@@ -190,23 +190,43 @@ def test_shim_matches_modelopt_qtensors():
     assert torch.equal(X.mxfp8_fake_quant(w.float(), 32), ref)
 
 
-def test_tiny_build_is_deterministic(tmp_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("modelopt")
+def _same_build(a, b, files, where):
+    """Folders `a` and `b` hold the same tensors (every tensor of model.safetensors: names, dtypes,
+    shapes and bytes) and byte-identical `files`."""
+    import torch
     from safetensors.torch import load_file
 
-    for _ in range(2):
-        rc = M.main(["--out", str(tmp_path), "--only", "tiny-llama/nvfp4"])
-        assert rc == 0
-    a = load_file(tmp_path / "tiny-llama/nvfp4/model.safetensors")
-    stamp = json.loads((tmp_path / "tiny-llama/nvfp4" / M.STAMP_FILE).read_text())
-    assert stamp == M.stamp_of(M.SPECS["tiny-llama/nvfp4"])
-    if M.is_built("tiny-llama/nvfp4"):
-        b = load_file(M.model_dir("tiny-llama/nvfp4") / "model.safetensors")
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a), \
-            "tiny-llama/nvfp4 differs from the cached build"
-        for f in ("tokenizer.json", "hf_quant_config.json"):
-            assert (tmp_path / "tiny-llama/nvfp4" / f).read_bytes() == \
-                (M.model_dir("tiny-llama/nvfp4") / f).read_bytes(), f
-    assert not [p for p in (tmp_path / "tiny-llama").iterdir() if p.name.startswith(".")]
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta and sorted(ta) == sorted(tb), f"{where}: tensor names differ"
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, \
+            f"{where}: {k}: {ta[k].dtype} {list(ta[k].shape)} against {tb[k].dtype} {list(tb[k].shape)}"
+        assert torch.equal(ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8)), \
+            f"{where}: tensor {k} differs"
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f"{where}: {f} differs"
+
+
+def test_tiny_build_is_deterministic(tmp_path):
+    """tiny-llama/nvfp4 (and the bf16 folder it is quantized from) built twice from nothing, into two
+    folders: every tensor and every other file the same, byte for byte; and the same as the cached
+    build of `make models` where that one is current (its stamp is this recipe's)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("modelopt")
+
+    name = "tiny-llama/nvfp4"
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for root in roots:
+        assert M.main(["--out", str(root), "--only", name]) == 0
+        assert M._read_stamp(root / name) == M.stamp_of(M.SPECS[name])
+        assert not [p for p in (root / "tiny-llama").iterdir() if p.name.startswith(".")]   # no temp folders left
+    for built in (name, "tiny-llama/bf16"):
+        a, b = (root / built for root in roots)
+        files = sorted(p.name for p in a.iterdir())
+        assert files == sorted(p.name for p in b.iterdir()), built
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(files), files
+        _same_build(a, b, files, f"{built} built twice")
+    cached = M.model_dir(name)
+    if M.is_built(name) and M._read_stamp(cached) == M.stamp_of(M.SPECS[name]):
+        _same_build(roots[0] / name, cached, ("tokenizer.json", "hf_quant_config.json", "config.json"),
+                    f"{name} against the cached build in {cached}")

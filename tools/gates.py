@@ -212,11 +212,17 @@ def artifact_for(name: str, tp: int = 1, env: dict | None = None, tag: str = "")
 
 
 def executor_available() -> bool:
+    """Whether the NumPy executor (bloomery.runtime.logits) exists. Only the absence of the
+    bloomery.runtime package itself reads as False: a runtime that is there but fails to import
+    (a broken import inside it, a missing dependency, a syntax error) raises, so that a broken
+    executor is an error to see, never a silent switch to another comparison."""
     try:
         import bloomery.runtime as rt
-        return callable(getattr(rt, "logits", None))
-    except Exception:
+    except ModuleNotFoundError as e:
+        if e.name != "bloomery.runtime":
+            raise
         return False
+    return callable(getattr(rt, "logits", None))
 
 
 def executor_logits(artifact, ids: Sequence[int]) -> np.ndarray:
@@ -394,7 +400,8 @@ def measure_q8(limit: int | None = None, route: str = "auto", name: str = "smoll
     """KL(stored BF16 || Q8_0) and argmax agreement of BLOOMERY_PREPARE_Q8=1 over the prompt set.
     route "executor": the executor on the tp 1 BF16 artifact vs on the Q8 artifact; route
     "oracle": the f32 oracle of the BF16 checkpoint vs the oracle forward on the Q8 artifact's
-    decoded values. "auto": executor when it exists, else oracle."""
+    decoded values. "auto": executor when the bloomery.runtime package exists, else oracle (a
+    runtime that fails to import raises: executor_available); the route taken is in the result."""
     from bloomery.tools import oracle
     from bloomery.tools.models import model_dir
 

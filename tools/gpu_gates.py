@@ -3,7 +3,8 @@
     python -m bloomery.tools.gpu_gates ART [ART ...] [--steps 256] [--tf 320] [--out DIR]
     python -m bloomery.tools.gpu_gates --synthetic smollm2-135m --steps 64     # made and prepared here
     python -m bloomery.tools.gpu_gates TP2_ART --pair TP2_ART=TP1_ART --synthetic smollm2-135m --tp 2
-    python -m bloomery.tools.gpu_gates --oracle CKPT=ART        # CUDA against the f32 oracle, gate prompts
+    python -m bloomery.tools.gpu_gates --oracle CKPT[=ART]      # CUDA against the f32 oracle of CKPT, gate prompts
+    python -m bloomery.tools.gpu_gates CKPT ...                 # a checkpoint folder is prepared first (tp 1)
 
 TP (tp > 1 artifacts run on the CUDA executor's NCCL ranks, runtime/cuda/tp.py): an artifact
 argument of tp 2 is gated CUDA tp2 against NumPy tp2; `--pair A=B` gates CUDA on A against CUDA on
@@ -125,15 +126,18 @@ def _compare(cu, npx, res, steps, tf, seed, logits) -> dict:
 def oracle_gate(folder: Path, art: Path, device: str = "cuda", limit: int | None = None, ubatch: int = 64) -> dict:
     """The executor on `device` against the float32 transformers oracle (tools/oracle.py) on every
     sequence of the pinned gate prompt set (specs/prompts/gate_prompts.yaml), teacher-forced.
-    `folder`: the checkpoint's config and tokenizer files (weights are not needed: the oracle runs on
-    the values the artifact holds, which prepare keeps bit-exact to the checkpoint's, tested in
-    tests/test_prepare.py). Bands: specs/bands.yaml, kind cuda_vs_oracle."""
+    `folder`: the checkpoint folder `art` was prepared from, weights included: the oracle
+    dequantizes them itself (tools/dequant.py), sharing no decoder with bloomery, so a wrong
+    layout in the artifact or a kernel shows. Bands: specs/bands.yaml, kind cuda_vs_oracle."""
     from bloomery.runtime import Engine, logits
     from bloomery.tools import gates, oracle
 
     t0 = time.perf_counter()
+    if not any(Path(folder).glob("*.safetensors")):
+        raise gates.GateError(f"{folder}: no .safetensors weights; --oracle takes the checkpoint folder the "
+                              "artifact was prepared from (the oracle dequantizes its weights itself)")
     seqs = gates.sequences(folder, limit)
-    ref = oracle.artifact_oracle(folder, art)
+    ref = oracle.Oracle(folder)
     eng = Engine(art, device=device, ctx=max(len(s.ids) for s in seqs), ubatch=ubatch)
     refs, cands = [], []
     try:
@@ -174,9 +178,9 @@ def main(argv=None) -> int:
                     help="gate CUDA on artifact A against CUDA on artifact B (e.g. tp2 against tp1)")
     ap.add_argument("--pair-steps", type=int, default=None, help="greedy steps of --pair gates (default --steps)")
     ap.add_argument("--pair-tf", type=int, default=0, help="teacher-forced positions of --pair gates")
-    ap.add_argument("--oracle", action="append", default=[], metavar="CFG=ART",
-                    help="gate CUDA on artifact ART against the f32 oracle; CFG: the checkpoint folder (its "
-                         "config and tokenizer files suffice)")
+    ap.add_argument("--oracle", action="append", default=[], metavar="CKPT[=ART]",
+                    help="gate CUDA on artifact ART against the f32 oracle of checkpoint folder CKPT (weights "
+                         "included: the oracle dequantizes them itself); without =ART, CKPT is prepared here")
     ap.add_argument("--oracle-limit", type=int, default=None, help="first N gate prompts only")
     ap.add_argument("--prefill", choices=("bf16", "bf16x2", "off"), default=None,
                     help="the CUDA executor's prompt-chunk GEMM mode (lever BLOOMERY_PREFILL_GEMM; default: its setting)")
@@ -208,25 +212,41 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
         rows.append(r)
 
+    prepared: dict = {}
+
+    def artifact_of(path: Path) -> Path:
+        """An artifact folder as given, or a checkpoint folder prepared (tp 1) into the work folder."""
+        if (path / "SHA256SUMS").is_file() or not (path / "config.json").is_file():
+            return path
+        if path not in prepared:
+            from bloomery.compiler.prepare import prepare
+            root = a.work or Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-"))
+            out = root / "prepared" / f"{path.parent.name}-{path.name}"
+            t0 = time.perf_counter()
+            prepare(path, out, progress=False)
+            print(f"{path}: prepared into {out} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            prepared[path] = out
+        return prepared[path]
+
     for art in a.artifacts:
-        one(art.name, lambda art=art: gate(art, a.steps, a.tf))
+        one(art.name, lambda art=art: gate(artifact_of(art), a.steps, a.tf))
     for x, y in pairs:
         one(f"{x.name} vs cuda:{y.name}",
             lambda x=x, y=y: gate(x, a.pair_steps or a.steps, a.pair_tf, ref=y, ref_device="cuda"))
     orows = []
     for spec in a.oracle:
-        if "=" not in spec:
-            ap.error(f"--oracle {spec!r}: expected CFG=ART")
-        cfg, art = (Path(x) for x in spec.split("=", 1))
+        cfg, _, art = spec.partition("=")
+        cfg = Path(cfg)
+        art = Path(art) if art else cfg
         try:
-            r = oracle_gate(cfg, art, limit=a.oracle_limit)
+            r = oracle_gate(cfg, artifact_of(art), limit=a.oracle_limit)
         except Exception as e:
             import traceback
             traceback.print_exc()
             r = {"artifact": art.name, "pass": False, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(r), flush=True)
         orows.append(r)
-    work = a.work or Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-"))
+    work = a.work or (Path(tempfile.mkdtemp(prefix="bloomery-gpu-gates-")) if a.synthetic else None)
     for shape in a.synthetic:
         def syn(shape=shape, tp=a.tp):
             t0 = time.perf_counter()
@@ -267,6 +287,10 @@ def main(argv=None) -> int:
                   f"{r['kl_max']:.2e} | {r['rel_l2_mean']:.2e} | {r['rel_l2_max']:.2e} | "
                   f"{'PASS' if r['pass'] else 'FAIL ' + '; '.join(r['fails'])} |")
     allr = rows + orows
+    if not allr:
+        print("gpu_gates: no gate row was produced (give artifacts, --pair, --oracle or --synthetic)",
+              file=sys.stderr)
+        return 1
     ok = all(r["pass"] for r in allr)
     print(f"{sum(r['pass'] for r in allr)}/{len(allr)} passed (prompt-chunk GEMM mode {mode})")
     return 0 if ok else 1

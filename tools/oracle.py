@@ -12,10 +12,11 @@ How the model is made (transformers cannot load ModelOpt folders itself: it skip
 quantization, see shared/notes/modelopt-cpu.md):
 - the architecture comes from config.json (quantization_config dropped) through
   AutoModelForCausalLM.from_config, float32, eval, eager attention and eager experts;
-- every weight is read through bloomery's checkpoint reader and decoded by its own stored
-  format's rule (QuantTensor.decode(): NVFP4, MXFP8, MXFP4, FP8 per-tensor / per-channel /
-  block, BF16 ...), then loaded with strict=True: a parameter nobody fills, or a stored tensor
-  nobody uses, is an error;
+- every weight is read from the safetensors shards and dequantized by the oracle's own code
+  (tools/dequant.py: written from the formats' published definitions, in torch; it imports
+  nothing of bloomery's formats, compiler or runtime, so a decoder defect there shows against
+  it), then loaded with strict=True: a parameter nobody fills, or a stored tensor nobody uses,
+  is an error;
 - weight-only: input_scale is ignored; NVFP4_AWQ's pre_quant_scale (which multiplies the
   activation entering that linear) is folded into the weight, W_eff = W * pre_quant_scale[None, :];
   FP8 KV-cache scales (k_scale / v_scale) are ignored (the cache is float32);
@@ -30,7 +31,7 @@ the same forward can run on the values an artifact holds (the Q8 lever's measure
 
 Results are cached on disk under $BLOOMERY_ORACLE_CACHE (default ~/.cache/bloomery/oracle),
 keyed by a content hash of the folder's weights and config, of the oracle's own code (this
-file, the checkpoint reader, the format decoders), the torch and transformers versions, and a
+file and tools/dequant.py), the torch and transformers versions, and a
 hash of the token ids: repeated gates do not recompute, and a code edit never reads a stale answer.
 """
 
@@ -92,12 +93,11 @@ def _file_sha256(path: Path) -> str:
 
 
 def code_key() -> str:
-    """Hash of the code that makes the oracle's numbers: this file, the checkpoint reader and
-    the format decoders (an edit there recomputes, never serves a stale cached answer)."""
-    root = Path(__file__).resolve().parent.parent
+    """Hash of the code that makes the oracle's numbers: this file and its dequantization
+    (tools/dequant.py); an edit there recomputes, never serves a stale cached answer."""
+    here = Path(__file__).resolve()
     d = hashlib.sha256()
-    for p in [Path(__file__).resolve(), root / "compiler" / "checkpoint.py",
-              root / "compiler" / "quant_config.py", *sorted((root / "core" / "formats").glob("*.py"))]:
+    for p in [here, here.parent / "dequant.py"]:
         d.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return d.hexdigest()
 
@@ -128,18 +128,14 @@ def ids_key(ids: Sequence[int]) -> str:
 
 
 def checkpoint_weights(folder) -> dict[str, np.ndarray]:
-    """HF name -> float32 weight decoded by its stored format's rule, pre_quant_scale folded.
-    input_scale and KV-cache scales are not weights and do not appear."""
-    from bloomery.compiler.checkpoint import Checkpoint
+    """HF name -> float32 weight dequantized by the oracle's own rules (tools/dequant.py),
+    pre_quant_scale folded. input_scale and KV-cache scales are not weights and do not appear."""
+    from bloomery.tools import dequant
 
-    ck = Checkpoint.open(folder)
-    out: dict[str, np.ndarray] = {}
-    for name, qt in ck.tensors.items():
-        w = qt.decode()
-        if "pre_quant_scale" in qt.sources:
-            w = fold_pre_quant_scale(w, qt.sources["pre_quant_scale"].array())
-        out[name] = w
-    return out
+    try:
+        return {n: v.numpy() for n, v in dequant.folder_weights(folder).items()}
+    except dequant.DequantError as e:
+        raise OracleError(f"{folder}: {e}") from e
 
 
 def fold_pre_quant_scale(w: np.ndarray, pqs) -> np.ndarray:
