@@ -2,11 +2,12 @@
 execution plan of core/plan.py, one op list for a decode step and one for a prompt chunk.
 
 The decoder stack is generic over what the rank's tensor table holds: q/k norms when
-`attn_q_norm` exists (Qwen3), routed experts where `ffn_gate_inp` exists, else a dense SwiGLU
+`attn_q_norm` exists (Qwen3), q/k/v biases when `attn_q_bias` exists and partial rotary when
+rope.dimension_count < head_dim (GLM-4.5), routed experts where `ffn_gate_inp` exists, else a dense SwiGLU
 MLP; the output head is `output`, or the tied `token_embd`. With tp > 1 the row-parallel
 outputs (attn_output, ffn_down, the experts' down) are all-reduced and the vocab-parallel
 logits all-gathered. A family with a genuinely new block (gated delta net, recurrent state)
-adds its lowering here and its op to core/plan.OPS.
+adds its lowering here and its op to core/plan.OPS: Qwen3-Next (_Qwen3Next) does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from bloomery.core import plan as P
 from bloomery.core import specs
 from bloomery.core.errors import UnsupportedConfig
 
-FAMILIES = ("llama", "qwen3_moe")
+FAMILIES = ("llama", "qwen3_moe", "glm4_moe", "qwen3_next")
 
 
 def lower_rank(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
@@ -26,7 +27,8 @@ def lower_rank(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     family = str(metadata["bloomery.spec"])
     if family not in FAMILIES:
         raise UnsupportedConfig(f"no lowering for model family {family!r} (lowered: {', '.join(FAMILIES)})")
-    return _Decoder(metadata, tensors).build()
+    cls = {"glm4_moe": _Glm4Moe, "qwen3_next": _Qwen3Next}.get(family, _Decoder)
+    return cls(metadata, tensors).build()
 
 
 def plan_metadata(rank_plans) -> None:
@@ -36,6 +38,9 @@ def plan_metadata(rank_plans) -> None:
 
 
 class _Decoder:
+    MODED = ("attention", "gated_delta")     # ops whose `mode` attr is the program's (decode / prefill)
+    norm_attrs: dict = {}                    # extra attrs of the family's output norm (Qwen3-Next: offset)
+
     def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
         self.md, self.t = md, tensors
         arch = str(md["general.architecture"])
@@ -49,6 +54,8 @@ class _Decoder:
         self.context = int(g("context_length"))
         self.top_k = int(md.get(f"{arch}.expert_used_count", 0))
         self.norm_topk = bool(md.get(f"{arch}.expert_weights_norm", False))
+        rot = int(md.get(f"{arch}.rope.dimension_count", self.head_dim))
+        self.rope_extra = {"rotary_dim": rot} if rot < self.head_dim else {}      # partial rotary (GLM-4.5)
         self.heads = int(md["bloomery.tp.head_count"])
         self.kv_heads = int(md["bloomery.tp.head_count_kv"])
         self.tp, self.rank = int(md["bloomery.tp.size"]), int(md["bloomery.tp.rank"])
@@ -91,21 +98,24 @@ class _Decoder:
         h = self.rows("h", self.hidden)
         self.op("embed", ids=tokens, weight="token_embd", out=h)
         for bid in range(self.layers):
-            self.attention(bid, h)
-            self.ffn(bid, h)
+            self.layer(bid, h)
         xn = self.rows("xn", self.hidden)
-        self.op("rmsnorm", x=h, weight="output_norm", out=xn, eps=self.eps, group=self.hidden)
+        self.op("rmsnorm", x=h, weight="output_norm", out=xn, eps=self.eps, group=self.hidden, **self.norm_attrs)
         self.head(xn)
         body = self.ops
         programs = {}
         for prog, rows in P.PROGRAMS.items():
             mode = {"mode": prog}
-            programs[prog] = {"rows": rows, "ops": [{**o, **mode} if o["op"] == "attention" else o for o in body]}
+            programs[prog] = {"rows": rows, "ops": [{**o, **mode} if o["op"] in self.MODED else o for o in body]}
         plan = {"version": P.VERSION, "family": self.family, "tp": self.tp, "rank": self.rank,
                 "model": {"vocab_size": self.vocab, "context_length": self.context},
                 "buffers": self.buffers, "programs": programs}
         P.validate(plan, f"lowered plan of rank {self.rank}")
         return plan
+
+    def layer(self, bid: int, h: str) -> None:
+        self.attention(bid, h)
+        self.ffn(bid, h)
 
     def attention(self, bid: int, h: str) -> None:
         b, hd = f"blk.{bid}.", self.head_dim
@@ -114,11 +124,16 @@ class _Decoder:
         q = self.linear(xn, b + "attn_q", "q")
         k = self.linear(xn, b + "attn_k", "k")
         v = self.linear(xn, b + "attn_v", "v")
+        for x, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")):
+            if f"{b}{n}_bias" in self.t:                  # attention_bias (GLM-4.5)
+                self.op("bias_add", x=x, bias=f"{b}{n}_bias", out=x)
         if b + "attn_q_norm" in self.t:
             self.op("rmsnorm", x=q, weight=b + "attn_q_norm", out=q, eps=self.eps, group=hd)
             self.op("rmsnorm", x=k, weight=b + "attn_k_norm", out=k, eps=self.eps, group=hd)
-        self.op("rope", x=q, pos="positions", out=q, heads=self.heads, head_dim=hd, theta=self.theta)
-        self.op("rope", x=k, pos="positions", out=k, heads=self.kv_heads, head_dim=hd, theta=self.theta)
+        self.op("rope", x=q, pos="positions", out=q, heads=self.heads, head_dim=hd, theta=self.theta,
+                **self.rope_extra)
+        self.op("rope", x=k, pos="positions", out=k, heads=self.kv_heads, head_dim=hd, theta=self.theta,
+                **self.rope_extra)
         cache = ["slots", "ctx", self.kv_heads, hd]
         ck = self.buf(f"kv.{bid}.k", cache, kind="state")
         cv = self.buf(f"kv.{bid}.v", cache, kind="state")
@@ -175,3 +190,162 @@ class _Decoder:
         if tied:
             return [specs.share(self.vocab, self.tp, r) for r in range(self.tp)]
         return [self.vocab // self.tp] * self.tp      # the head's column cut: equal slices
+
+
+class _Glm4Moe(_Decoder):
+    """GLM-4.5 MoE (specs/glm4_moe.yaml): the generic attention (its q/k/v biases, q/k norms and
+    partial rotary come from the tensor table and metadata); the pre-FFN norm is
+    `post_attention_norm`; the first leading_dense_block_count layers are a dense SwiGLU, the
+    others routed experts under moe_router_grouped plus the shared experts, whose output is added
+    to the routed one before the residual (one all_reduce for both partial sums at tp > 1). The
+    NextN layers (blk.{block_count - nextn_predict_layers}...) are in the artifact, not in the plan."""
+
+    def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
+        super().__init__(md, tensors)
+        g = lambda k: md[f"{md['general.architecture']}.{k}"]
+        self.layers -= int(g("nextn_predict_layers"))
+        self.n_group, self.topk_group = int(g("expert_group_count")), int(g("expert_group_used_count"))
+        self.scale = float(g("expert_weights_scale"))
+
+    def ffn(self, bid: int, h: str) -> None:
+        b = f"blk.{bid}."
+        xn = self.rows("xn", self.hidden)
+        self.op("rmsnorm", x=h, weight=b + "post_attention_norm", out=xn, eps=self.eps, group=self.hidden)
+        if b + "ffn_gate_inp" not in self.t:          # a leading dense layer
+            g = self.linear(xn, b + "ffn_gate", "ffn_gate")
+            u = self.linear(xn, b + "ffn_up", "ffn_up")
+            self.op("swiglu", gate=g, up=u, out=g)
+            f = self.linear(g, b + "ffn_down", "ffn_out")
+        else:
+            experts = int(self.t[b + "ffn_gate_inp"].shape[0])
+            ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
+            wts = self.rows("moe_weights", self.top_k)
+            self.op("moe_router_grouped", x=xn, weight=b + "ffn_gate_inp", bias=b + "exp_probs_b", ids=ids,
+                    weights=wts, top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+                    norm=self.norm_topk, scale=self.scale)
+            f = self.rows("ffn_out", self.hidden)
+            self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
+                    down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
+            g = self.linear(xn, b + "ffn_gate_shexp", "shexp_gate")
+            u = self.linear(xn, b + "ffn_up_shexp", "shexp_up")
+            self.op("swiglu", gate=g, up=u, out=g)
+            s = self.linear(g, b + "ffn_down_shexp", "shexp_out")
+            self.op("add", a=f, b=s, out=f)
+        self.reduce(f)
+        self.op("add", a=h, b=f, out=h)
+
+
+class _Qwen3Next(_Decoder):
+    """Qwen3-Next (specs/qwen3_next.yaml; transformers 5.24's modeling_qwen3_next.py): per layer a
+    gated delta net (where `ssm_in` exists) or gated full attention, then routed experts plus the
+    shared expert scaled by sigmoid(ffn_gate_inp_shexp x), or a dense MLP (mlp_only_layers). Its
+    RMSNorms multiply by 1 + weight (offset 1.0), all but the gated norm after the delta rule. At
+    tp > 1 a rank holds whole key-head groups of each delta net (their in_proj_qkvz and in_proj_ba
+    rows, conv channels, A_log, dt_bias and states) and whole KV head groups of the attention;
+    out_proj, o_proj and the FFN's down projections are row-cut and all-reduced. The mtp.*
+    tensors are in the artifact, read by no op yet."""
+
+    norm_attrs = {"offset": 1.0}
+
+    def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
+        super().__init__(md, tensors)
+        g = lambda k: int(md[f"{md['general.architecture']}.{k}"])      # noqa: E731
+        self.conv_kernel = g("ssm.conv_kernel")
+        self.k_dim = g("ssm.state_size")
+        self.vk = g("ssm.time_step_rank") // g("ssm.group_count")       # v heads per key head
+        self.v_dim = g("ssm.inner_size") // g("ssm.time_step_rank")
+        self.k_heads = int(md["bloomery.tp.ssm_group_count"])           # this rank's key heads
+        self.v_heads = self.k_heads * self.vk
+
+    def norm(self, x: str, weight: str, out: str, group: int) -> None:
+        self.op("rmsnorm", x=x, weight=weight, out=out, eps=self.eps, group=group, **self.norm_attrs)
+
+    def layer(self, bid: int, h: str) -> None:
+        if f"blk.{bid}.ssm_in" in self.t:
+            self.delta_net(bid, h)
+        else:
+            self.gated_attention(bid, h)
+        self.moe_ffn(bid, h)
+
+    def delta_net(self, bid: int, h: str) -> None:
+        """Qwen3NextGatedDeltaNet: in_proj_qkvz's per-key-head groups [q | k | v | z] re-laid out as
+        the conv's channels [all q | all k | all v] and z; in_proj_ba's [b | a] as b and a; the
+        causal conv (state conv.{bid}), the delta rule (state ssm.{bid}), the gated norm (gate z),
+        out_proj."""
+        b = f"blk.{bid}."
+        Hk, Hv, dk, dv, r, K = self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.vk, self.conv_kernel
+        xn = self.rows("xn", self.hidden)
+        self.norm(h, b + "attn_norm", xn, self.hidden)
+        qkvz = self.linear(xn, b + "ssm_in", "ssm_qkvz")
+        qkv, z = self.rows("ssm_qkv", Hk * (2 * dk + r * dv)), self.rows("ssm_z", Hv * dv)
+        self.op("split_groups", x=qkvz, out=qkv, rest=z, groups=Hk, widths=[dk, dk, r * dv, r * dv], split=3)
+        ba = self.linear(xn, b + "ssm_ba", "ssm_ba")
+        beta, alpha = self.rows("ssm_b", Hv), self.rows("ssm_a", Hv)
+        self.op("split_groups", x=ba, out=beta, rest=alpha, groups=Hk, widths=[r, r], split=1)
+        conv = self.buf(f"conv.{bid}", ["slots", K - 1, Hk * (2 * dk + r * dv)], kind="state")
+        self.op("causal_conv1d", x=qkv, pos="positions", slot="slot_ids", state=conv, out=qkv,
+                weight=b + "ssm_conv1d", kernel=K)
+        ssm = self.buf(f"ssm.{bid}", ["slots", Hv, dk, dv], kind="state")
+        o = self.rows("ssm_o", Hv * dv)
+        self.op("gated_delta", qkv=qkv, a=alpha, b=beta, pos="positions", slot="slot_ids", state=ssm, out=o,
+                A_log=b + "ssm_a", dt_bias=b + "ssm_dt", k_heads=Hk, v_heads=Hv, k_dim=dk, v_dim=dv)
+        self.op("rmsnorm_gated", x=o, gate=z, out=o, weight=b + "ssm_norm", eps=self.eps, group=dv)
+        out = self.linear(o, b + "ssm_out", "o")
+        self.reduce(out)
+        self.op("add", a=h, b=out, out=h)
+
+    def gated_attention(self, bid: int, h: str) -> None:
+        """Qwen3NextAttention: q_proj gives each head's [q | gate]; q/k norms per head, partial rope,
+        attention, output * sigmoid(gate), o_proj."""
+        b, hd = f"blk.{bid}.", self.head_dim
+        xn = self.rows("xn", self.hidden)
+        self.norm(h, b + "attn_norm", xn, self.hidden)
+        qg = self.linear(xn, b + "attn_q", "q_gate")
+        q, gate = self.rows("q", self.heads * hd), self.rows("attn_gate", self.heads * hd)
+        self.op("split_groups", x=qg, out=q, rest=gate, groups=self.heads, widths=[hd, hd], split=1)
+        k = self.linear(xn, b + "attn_k", "k")
+        v = self.linear(xn, b + "attn_v", "v")
+        self.norm(q, b + "attn_q_norm", q, hd)
+        self.norm(k, b + "attn_k_norm", k, hd)
+        for x, n in ((q, self.heads), (k, self.kv_heads)):
+            self.op("rope", x=x, pos="positions", out=x, heads=n, head_dim=hd, theta=self.theta, **self.rope_extra)
+        cache = ["slots", "ctx", self.kv_heads, hd]
+        ck = self.buf(f"kv.{bid}.k", cache, kind="state")
+        cv = self.buf(f"kv.{bid}.v", cache, kind="state")
+        att = self.rows("attn", self.heads * hd)
+        self.op("attention", q=q, k=k, v=v, pos="positions", slot="slot_ids", cache_k=ck, cache_v=cv, out=att,
+                heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=1.0 / math.sqrt(hd))
+        self.op("sigmoid_mul", x=att, gate=gate, out=att)
+        o = self.linear(att, b + "attn_output", "o")
+        self.reduce(o)
+        self.op("add", a=h, b=o, out=h)
+
+    def moe_ffn(self, bid: int, h: str) -> None:
+        """Qwen3NextSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate x) * shared_expert(x),
+        one all-reduce for both partial sums (the gate is replicated); or Qwen3NextMLP."""
+        b = f"blk.{bid}."
+        xn = self.rows("xn", self.hidden)
+        self.norm(h, b + "post_attention_norm", xn, self.hidden)
+        if b + "ffn_gate_inp" in self.t:
+            experts = int(self.t[b + "ffn_gate_inp"].shape[0])
+            ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
+            wts = self.rows("moe_weights", self.top_k)
+            self.op("moe_router", x=xn, weight=b + "ffn_gate_inp", ids=ids, weights=wts, top_k=self.top_k,
+                    norm=self.norm_topk)
+            f = self.rows("ffn_out", self.hidden)
+            self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
+                    down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
+            g = self.linear(xn, b + "ffn_gate_shexp", "shexp_gate")
+            u = self.linear(xn, b + "ffn_up_shexp", "shexp_up")
+            self.op("swiglu", gate=g, up=u, out=g)
+            s = self.linear(g, b + "ffn_down_shexp", "shexp_out")
+            sg = self.linear(xn, b + "ffn_gate_inp_shexp", "shexp_weight")
+            self.op("sigmoid_mul", x=s, gate=sg, out=s)
+            self.op("add", a=f, b=s, out=f)
+        else:
+            g = self.linear(xn, b + "ffn_gate", "ffn_gate")
+            u = self.linear(xn, b + "ffn_up", "ffn_up")
+            self.op("swiglu", gate=g, up=u, out=g)
+            f = self.linear(g, b + "ffn_down", "ffn_out")
+        self.reduce(f)
+        self.op("add", a=h, b=f, out=h)

@@ -86,6 +86,7 @@ def match(spec: Spec, values: dict, names, where: str) -> list[Slot]:
     MissingTensor by name otherwise)."""
     slots, by_hf = _expected(spec, values)
     present = set(names)
+    slots = [s for s in slots if s.rule.required or any(h in present for h in s.hf)]   # `required: false`, absent
     for n in sorted(present):
         if n in by_hf:
             continue

@@ -51,7 +51,8 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
     where = str(ckpt.folder)
     spec = specs.for_config(ckpt.config, f"{ckpt.folder / 'config.json'}")
     values = spec.values(ckpt.config, f"{ckpt.folder / 'config.json'}",
-                         {"kv_cache_quant": bool(ckpt.quant.kv_cache_quant_algo)})
+                         {"kv_cache_quant": bool(ckpt.quant.kv_cache_quant_algo),
+                          "mtp": any(n.startswith("mtp.") for n in ckpt.tensors)})
     for c in spec.tp_checks:
         c.run({**values, "tp": tp}, f"{where}: --tp {tp}")
     tensors = {**ckpt.tensors, **{n: _plain(t) for n, t in ckpt.kv_scales.items()}}
@@ -94,6 +95,8 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
                                       f"{list(want)} = [{exprs}] from config.json.")
     where = f"{qts[0].where()} -> artifact tensor {s.name!r} (role {s.rule.role}, cut {s.rule.cut})"
     unit = None if s.rule.unit is None else int(s.rule.unit(s.env))
+    if s.rule.segments is not None:               # a segments cut: its ((length, unit), ...)
+        unit = tuple((int(n(s.env)), None if u is None else int(u(s.env))) for n, u in s.rule.segments)
     slicing.check_partition(fmt, s.rule.cut, want, tp, where, unit)
     out_fmt = fmt.name
     if q8 and kind.q8 and fmt.name == "bf16" and slicing.q8_allowed(s.rule.cut, want, tp, unit):
@@ -113,6 +116,8 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
 def _rank_shape(shape: tuple, cut: str, tp: int, rank: int, unit: int | None) -> tuple:
     if cut == "replicated" or tp == 1:
         return tuple(shape)
+    if cut == "segments":
+        return (sum(b - a for a, b in slicing.segment_ranges(unit, tp, rank)), *shape[1:])
     axis = slicing.AXIS[cut] % len(shape)
     start, stop = slicing.rank_range(shape[axis], tp, rank, unit)
     return tuple(stop - start if i == axis else d for i, d in enumerate(shape))

@@ -1,6 +1,11 @@
 """Tensor-parallel slices of stored tensors: where each rank's cut falls (checked at plan
 time, with the numbers), and the lazy producers of a rank's parts (cut, expert stacking,
-the Q8_0 rewrite). Producers read through the shards' mmaps and copy only the slice."""
+the Q8_0 rewrite). Producers read through the shards' mmaps and copy only the slice.
+
+A `segments` cut (core/specs.py) takes, along axis 0, the rank's share of each of several
+segments ((length, unit) pairs: its `unit` argument here) and joins them in order: Qwen3-Next's
+conv weight [C, 1, K], whose channels are [q heads | k heads | v heads], keeps the channels of
+the rank's heads of each. It reads plain formats only (bf16, f16, f32: values are sliced as is)."""
 
 from __future__ import annotations
 
@@ -9,11 +14,12 @@ from typing import Callable
 import numpy as np
 
 from bloomery.core import formats, specs
-from bloomery.core.errors import NotOnBlockBoundary, TPNotDivisible
+from bloomery.core.errors import FormatNotAllowed, NotOnBlockBoundary, SpecError, TPNotDivisible
 from bloomery.core.formats import nvfp4
 
 AXIS = {"column": -2, "row": -1}
 Q8_BLOCK = 32
+SEGMENT_FORMATS = ("bf16", "f16", "f32")
 
 
 def rank_range(n: int, tp: int, rank: int, unit: int | None = None) -> tuple[int, int]:
@@ -27,17 +33,47 @@ def rank_range(n: int, tp: int, rank: int, unit: int | None = None) -> tuple[int
     return start * unit, (start + specs.share(units, tp, rank)) * unit
 
 
+def segment_ranges(segments, tp: int, rank: int) -> list[tuple[int, int]]:
+    """A segments cut: rank's [start, stop) ranges along axis 0, its share of each (length, unit)."""
+    out, at = [], 0
+    for n, unit in segments:
+        a, b = rank_range(n, tp, rank, unit)
+        out.append((at + a, at + b))
+        at += n
+    return out
+
+
+def _check_segments(fmt: formats.Format, shape: tuple, segments, tp: int, where: str) -> None:
+    if sum(n for n, _ in segments) != shape[0]:
+        raise SpecError(f"{where}: segments {[n for n, _ in segments]} do not add up to axis 0 of length {shape[0]}")
+    if tp == 1:
+        return
+    if fmt.name not in SEGMENT_FORMATS:
+        raise FormatNotAllowed(f"{where}: a segments cut slices plain values ({', '.join(SEGMENT_FORMATS)}); "
+                               f"this tensor is stored as {fmt.name}.")
+    for i, (n, unit) in enumerate(segments):
+        if unit is None and n % tp:
+            raise TPNotDivisible(f"{where}: segment {i} of axis 0 ({n} of {shape[0]}) does not split into tp {tp} "
+                                 f"equal slices.")
+        if unit is not None and (n % unit or n // unit < tp):
+            raise TPNotDivisible(f"{where}: segment {i} of axis 0 ({n} of {shape[0]}) holds {n // unit} units of "
+                                 f"{unit}; tp {tp} needs at least one whole unit per rank.")
+
+
 def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where: str,
                     unit: int | None = None) -> None:
     """Refuse a cut of a tensor of logical `shape` (per expert) over tp ranks that is uneven
     without a unit, or has fewer units than ranks (TPNotDivisible), or has a rank's slice start
     or stop off the format's block (NotOnBlockBoundary); nvfp4 row cuts of a row length the
-    artifact repacks into GGML NVFP4 (a multiple of 64) must keep 64."""
+    artifact repacks into GGML NVFP4 (a multiple of 64) must keep 64. A segments cut: `unit` is
+    its ((length, unit), ...)."""
+    if cut == "segments":
+        return _check_segments(fmt, shape, unit, tp, where)
     if tp == 1 or cut == "replicated":
         return
-    axis = AXIS[cut]
+    axis = AXIS[cut] if len(shape) > 1 else -1         # a 1-D column cut: its only axis (a bias's rows)
     n = shape[axis]
-    side = "out (rows)" if axis == -2 else "in (columns)"
+    side = "in (columns)" if cut == "row" else "out (rows)"
     if unit is None and n % tp:
         raise TPNotDivisible(f"{where}: {fmt.name} axis {side} of length {n} does not split into tp {tp} "
                              f"equal slices. Use a tp that divides {n}.")
@@ -58,7 +94,7 @@ def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where:
 
 def q8_allowed(cut: str, shape: tuple, tp: int, unit: int | None = None) -> bool:
     """Q8_0 blocks run along in: every rank's row length must be a multiple of 32."""
-    if len(shape) < 2:
+    if len(shape) < 2 or cut == "segments":
         return False
     if cut != "row":
         return shape[-1] % Q8_BLOCK == 0
@@ -78,10 +114,14 @@ def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, s
 
     def one(qt) -> dict:
         parts = qt.parts                          # mmapped views: nothing read yet
+        if cut == "segments" and tp > 1:
+            w = parts["weight"]
+            return {"weight": np.ascontiguousarray(np.concatenate([w[a:b] for a, b in segment_ranges(unit, tp, rank)]))}
         if axis is None or tp == 1:
             return parts
-        start, stop = rank_range(fmt.shape(parts)[axis], tp, rank, unit)
-        return fmt.cut(parts, axis, start, stop, where)
+        ax = axis if len(fmt.shape(parts)) > 1 else -1   # a 1-D column cut: its only axis (a bias's rows)
+        start, stop = rank_range(fmt.shape(parts)[ax], tp, rank, unit)
+        return fmt.cut(parts, ax, start, stop, where)
 
     def produce() -> dict:
         if not stacked:

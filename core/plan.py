@@ -48,20 +48,36 @@ class OpSig:
 
 OPS: dict[str, OpSig] = {
     "embed": OpSig(reads=("ids",), writes=("out",), weights=("weight",)),
-    "rmsnorm": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("eps", "group")),
+    "rmsnorm": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("eps", "group"),
+                     optional=("offset",)),
     "linear": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("format", "pre_quant_scale")),
-    "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta")),
+    "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta"),
+                  optional=("rotary_dim",)),
     "attention": OpSig(reads=("q", "k", "v", "pos", "slot"), writes=("out",), state=("cache_k", "cache_v"),
                        attrs=("heads", "kv_heads", "head_dim", "scale", "mode")),
     "swiglu": OpSig(reads=("gate", "up"), writes=("out",)),
     "add": OpSig(reads=("a", "b"), writes=("out",)),
     "moe_router": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight",), attrs=("top_k", "norm")),
+    # GLM-4.5's sigmoid router: correction bias for the choice, group-limited top-k, scaled weights
+    "moe_router_grouped": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight", "bias"),
+                                attrs=("top_k", "n_group", "topk_group", "norm", "scale")),
     "moe_experts": OpSig(reads=("x", "ids", "weights"), writes=("out",), weights=("gate", "up", "down"),
                          attrs=("experts", "top_k")),
     "logits": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("vocab",), optional=("rows",)),
     "argmax": OpSig(reads=("x",), writes=("out",)),
     "all_reduce": OpSig(reads=("x",), writes=("out",), collective=True),
     "all_gather": OpSig(reads=("x",), writes=("out",), attrs=("sizes",), collective=True),
+    # the gated delta net (Qwen3-Next's linear attention); states are per slot, like the KV cache
+    "causal_conv1d": OpSig(reads=("x", "pos", "slot"), writes=("out",), state=("state",), weights=("weight",),
+                           attrs=("kernel",)),
+    "gated_delta": OpSig(reads=("qkv", "a", "b", "pos", "slot"), writes=("out",), state=("state",),
+                         weights=("A_log", "dt_bias"), attrs=("k_heads", "v_heads", "k_dim", "v_dim", "mode"),
+                         optional=("chunk",)),
+    "rmsnorm_gated": OpSig(reads=("x", "gate"), writes=("out",), weights=("weight",), attrs=("eps", "group")),
+    # layout and gating helpers of the hybrid families
+    "split_groups": OpSig(reads=("x",), writes=("out", "rest"), attrs=("groups", "widths", "split")),
+    "sigmoid_mul": OpSig(reads=("x", "gate"), writes=("out",)),
+    "bias_add": OpSig(reads=("x",), writes=("out",), weights=("bias",)),
 }
 
 

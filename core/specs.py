@@ -21,23 +21,34 @@ A spec file holds:
                     name   artifact base name template (llama.cpp's): "blk.{bid}.attn_q"
                     role   a role of specs/roles.yaml
                     shape  expressions: the logical shape ([out, in]; per expert for experts)
-                    cut    column (out rows) | row (in columns) | replicated
+                    cut    column (out rows; a 1-D tensor's only axis: a bias) | row (in columns) |
+                           replicated | segments (axis 0 in several segments, each cut by its
+                           own unit: a tensor whose rows hold
+                           several per-head fields one after another, e.g. Qwen3-Next's conv
+                           weight [q channels | k channels | v channels]; plain formats only)
                     unit   expression: the cut's granularity in logical elements (e.g. one
                            KV head group); whole units are shared out as evenly as possible,
                            the first ranks taking one more when they do not divide. Without
-                           it the axis must divide by tp into equal slices.
+                           it the axis must divide by tp into equal slices. With a segments
+                           cut: a list, one unit per segment (or one for every segment)
+                    segments  with cut segments: expressions, the lengths of the segments along
+                           axis 0 (summing to shape[0]); a rank holds its share of each, in order
                     when   expression: the tensor exists (default: always)
+                    required  false: the checkpoint may leave it out (kept when stored; GLM-4.5's
+                           NextN embed_tokens / shared_head.head, which some releases drop)
                     experts expression: the expert count; the {xid} tensors of a layer are
                            stacked as [expert, out, in] (the role's kind must be `experts`)
     ignore        [{hf, when?}]: checkpoint tensors that are read by nothing
 
 Implicit values (set by the planner from the checkpoint, not config.json): kv_cache_quant,
-true when the quantization config stores KV-cache scales (k_scale / v_scale).
+true when the quantization config stores KV-cache scales (k_scale / v_scale); mtp, true when
+the checkpoint stores tensors under `mtp.` (a multi-token-prediction layer, Qwen3-Next's).
 
 Expressions are Python expression syntax restricted to names, numbers, strings, lists,
-arithmetic, comparisons, `in`, and/or/not, `a if c else b` and calls of `share(n, tp, rank)`
-(rank's count when n units are shared out over tp ranks, as a `unit` cut does); every name
-must be one the context defines (checked at load).
+arithmetic, comparisons, `in`, and/or/not, `a if c else b`, indexing (`layer_types[bid]`) and
+calls of `share(n, tp, rank)` (rank's count when n units are shared out over tp ranks, as a
+`unit` cut does), `len(xs)` and `outside(xs, allowed)` (the items of xs not in allowed); every
+name must be one the context defines (checked at load).
 """
 
 from __future__ import annotations
@@ -56,8 +67,8 @@ from . import errors
 from .errors import MissingConfigKey, SpecError
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
-CUTS = ("column", "row", "replicated")
-IMPLICIT = {"kv_cache_quant": False}     # name -> value when not given
+CUTS = ("column", "row", "replicated", "segments")
+IMPLICIT = {"kv_cache_quant": False, "mtp": False}     # name -> value when not given
 TYPES = {"u32": np.uint32, "i32": np.int32, "f32": np.float32, "bool": bool, "str": str}
 
 # --- expressions -----------------------------------------------------------------------
@@ -71,7 +82,7 @@ _OPS = {
     ast.Not: lambda a: not a, ast.USub: lambda a: -a, ast.UAdd: lambda a: +a,
 }
 _NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Name,
-          ast.Load, ast.Constant, ast.List, ast.Tuple, ast.IfExp, ast.Call, *_OPS)
+          ast.Load, ast.Constant, ast.List, ast.Tuple, ast.IfExp, ast.Call, ast.Subscript, *_OPS)
 
 
 def share(n: int, tp: int, rank: int) -> int:
@@ -79,7 +90,12 @@ def share(n: int, tp: int, rank: int) -> int:
     return n // tp + (1 if rank < n % tp else 0)
 
 
-FUNCS = {"share": share}
+def outside(xs, allowed) -> list:
+    """The items of xs that are not in allowed, in order (a config check: `not outside(...)`)."""
+    return [x for x in xs if x not in allowed]
+
+
+FUNCS = {"share": share, "len": len, "outside": outside}
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,8 @@ def _eval(n, env):
         return _eval(n.body, env) if _eval(n.test, env) else _eval(n.orelse, env)
     if isinstance(n, ast.Call):
         return FUNCS[n.func.id](*(_eval(a, env) for a in n.args))
+    if isinstance(n, ast.Subscript):
+        return _eval(n.value, env)[_eval(n.slice, env)]
     if isinstance(n, ast.Compare):
         left = _eval(n.left, env)
         for op, c in zip(n.ops, n.comparators):
@@ -183,6 +201,8 @@ class TensorRule:
     experts: Expr | None
     pattern: re.Pattern       # matches concrete HF names; groups bid, xid
     unit: Expr | None = None  # the cut's granularity (logical elements); None: equal slices
+    segments: tuple | None = None   # cut segments: ((length Expr, unit Expr | None), ...) along axis 0
+    required: bool = True     # False: the checkpoint may leave it out
 
     @property
     def per_layer(self) -> bool:
@@ -268,7 +288,7 @@ def _lookup(config: dict, key: str):
 _FIELDS = {"family", "serves", "gguf_arch", "config", "layers", "layer", "checks", "tp_checks",
            "metadata", "rank_metadata", "tensors", "ignore"}
 _REQUIRED = {"family", "serves", "gguf_arch", "config", "layers", "metadata", "tensors"}
-_TENSOR_FIELDS = {"hf", "name", "role", "shape", "cut", "when", "experts", "unit"}
+_TENSOR_FIELDS = {"hf", "name", "role", "shape", "cut", "when", "experts", "unit", "segments", "required"}
 
 
 def _read(path: Path) -> Any:
@@ -352,14 +372,32 @@ def _tensor(row, where: str, known, layer_known, roles: Roles) -> TensorRule:
     shape = tuple(expr(s, f"{where}.shape[{i}]", k) for i, s in enumerate(_need(row["shape"], list, where, "shape")))
     if row["cut"] not in CUTS:
         raise SpecError(f"{where}: cut {row['cut']!r} is not one of {', '.join(CUTS)}")
-    if row["cut"] != "replicated" and len(shape) < 2:
-        raise SpecError(f"{where}: a {len(shape)}-D tensor can only be replicated, not cut {row['cut']}")
+    if row["cut"] not in ("replicated", "segments", "column") and len(shape) < 2:   # column: a bias's rows
+        raise SpecError(f"{where}: a {len(shape)}-D tensor can only be replicated or column-cut, not cut {row['cut']}")
     when = expr(row["when"], f"{where}.when", k) if "when" in row else None
     experts = expr(row["experts"], f"{where}.experts", k) if "experts" in row else None
-    unit = expr(row["unit"], f"{where}.unit", k) if "unit" in row else None
-    if unit is not None and row["cut"] == "replicated":
+    if ("segments" in row) != (row["cut"] == "segments"):
+        raise SpecError(f"{where}: `segments` goes with cut segments (and cut segments needs it)")
+    segments = None
+    if row["cut"] == "segments":
+        if kind.stacked:
+            raise SpecError(f"{where}: stacked experts cannot be cut in segments")
+        lengths = _need(row["segments"], list, where, "segments")
+        units = row.get("unit")
+        units = units if isinstance(units, list) else [units] * len(lengths)
+        if not lengths or len(units) != len(lengths):
+            raise SpecError(f"{where}: {len(lengths)} segments but {len(units)} units")
+        segments = tuple((expr(n, f"{where}.segments[{i}]", k),
+                          None if u is None else expr(u, f"{where}.unit[{i}]", k))
+                         for i, (n, u) in enumerate(zip(lengths, units)))
+    unit = expr(row["unit"], f"{where}.unit", k) if "unit" in row and segments is None else None
+    if "unit" in row and row["cut"] == "replicated":
         raise SpecError(f"{where}: a replicated tensor takes no unit")
-    return TensorRule(hf, name, role, kind.name, shape, row["cut"], when, experts, _template_regex(hf), unit)
+    required = row.get("required", True)
+    if not isinstance(required, bool):
+        raise SpecError(f"{where}: required must be true or false, found {required!r}")
+    return TensorRule(hf, name, role, kind.name, shape, row["cut"], when, experts, _template_regex(hf), unit,
+                      segments, required)
 
 
 def load(path) -> Spec:

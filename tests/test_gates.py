@@ -15,7 +15,8 @@ from bloomery.tools import gates, models
 
 FAST_LIMIT = 64     # tokens per sequence in the fast subset (make gates: 256)
 FAST = [n for n in gates.GATED if n.startswith("tiny-")] + ["smollm2-135m/nvfp4"]
-FAST_TP2 = ["tiny-llama/nvfp4", "tiny-llama/mxfp4", "tiny-qwen3_moe/nvfp4", "tiny-qwen3_moe/fp8"]
+FAST_TP2 = ["tiny-llama/nvfp4", "tiny-llama/mxfp4", "tiny-qwen3_moe/nvfp4", "tiny-qwen3_moe/fp8",
+            "tiny-qwen3_next/nvfp4", "tiny-glm4_moe/nvfp4", "tiny-glm4_moe/mxfp8"]
 
 
 def need(name):
@@ -32,7 +33,7 @@ def test_metrics_identical_and_known_values():
     a = rng.standard_normal((5, 11)).astype(np.float32)
     m = gates.compare([a], [a.copy()])
     assert m == {"positions": 5, "argmax_agreement": 1.0, "kl_mean": 0.0, "kl_max": 0.0,
-                 "rel_l2_mean": 0.0, "rel_l2_max": 0.0}
+                 "rel_l2_mean": 0.0, "rel_l2_max": 0.0, "ties_excluded": 0}
     # a shift of every logit of a row changes neither softmax nor argmax, but is an L2 error
     b = a.copy()
     b[2] += 3.0
@@ -131,7 +132,9 @@ def test_gated_list_is_the_test_models():
         assert n in models.SPECS, n
     assert set(gates.SKIP) <= set(gates.GATED)
     assert {"smollm2-135m/bf16", "smollm2-135m/nvfp4", "smollm2-135m/fp8", "smollm2-135m/mxfp8"} <= set(gates.GATED)
-    assert {n for n in models.SPECS if n.startswith(("tiny-llama/", "tiny-qwen3_moe/"))} <= set(gates.GATED)
+    assert {n for n in models.SPECS if n.startswith(("tiny-llama/", "tiny-qwen3_moe/", "tiny-qwen3_next/",
+                                                      "tiny-glm4_moe/"))} \
+        <= set(gates.GATED)
 
 
 # --------------------------------------------------------------------------- the fast subset

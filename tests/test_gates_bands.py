@@ -65,3 +65,63 @@ def test_bf16_prompt_mode_fails_the_default_cuda_oracle_gate(monkeypatch):
     assert bad["kl_mean"] < 1e-3, bad
     tripped = {f.split()[0] for f in bad["fails"]}
     assert {"kl_mean", "rel_l2_mean"} <= tripped, bad["fails"]
+
+
+def _flip_router(monkeypatch, where):
+    """The NumPy router picking its (k+1)-th expert instead of its k-th on the rows `where(margin)`
+    selects (margin: (s_k - s_(k+1)) / max|s| of the row's logits): a tie decided the other way
+    (what the H200's rounding did on tiny-qwen3_moe/mxfp8), or a real routing defect."""
+    from bloomery.runtime.ops import IMPL
+
+    orig = IMPL["moe_router"].run
+
+    def run(op, buf, w):
+        orig(op, buf, w)
+        x = buf[op["x"]]
+        lg = x @ w[op["weight"]].T
+        k = op["top_k"]
+        order = np.argsort(-lg, axis=-1, kind="stable")
+        s = np.take_along_axis(lg, order, axis=-1)
+        margin = (s[:, k - 1] - s[:, k]) / np.maximum(np.abs(lg).max(axis=-1), 1e-30)
+        for r in np.nonzero(where(margin))[0]:
+            p = np.exp(lg[r] - lg[r].max())
+            p /= p.sum()
+            ids = list(order[r, : k - 1]) + [order[r, k]]
+            top = p[ids]
+            buf[op["ids"]][r] = ids
+            buf[op["weights"]][r] = top / top.sum() if op["norm"] else top
+    monkeypatch.setattr(IMPL["moe_router"], "run", run)
+
+
+@pytest.mark.models
+def test_router_ties_are_left_out_and_counted_but_hide_no_defect(monkeypatch):
+    from bloomery.tools import gpu_gates
+    from runtime_artifacts import artifact
+
+    name = "tiny-qwen3_moe/mxfp8"
+    if not models.is_built(name):
+        pytest.skip(f"{name} is not built (make models)")
+    folder, art = models.model_dir(name), artifact(name)
+    exact = gpu_gates.oracle_gate(folder, art, device="cpu")
+    # the prompt set's two positions under the margin (6.9e-6, the one the H200 flipped, and 1.5e-5)
+    assert exact["pass"] and exact["ties_excluded"] == 2, exact
+    _flip_router(monkeypatch, lambda m: m < 1e-5)                     # the tie decided the other way
+    tie = gpu_gates.oracle_gate(folder, art, device="cpu")
+    assert tie["pass"] and tie["ties_excluded"] == 2, tie
+    monkeypatch.setattr(gates, "TIE_MARGIN", 0.0)                     # without the rule: the H200's failure
+    raw = gpu_gates.oracle_gate(folder, art, device="cpu")
+    assert not raw["pass"] and raw["rel_l2_max"] > 0.05, raw
+    monkeypatch.undo()
+    _flip_router(monkeypatch, lambda m: (m >= 1e-5) & (m < 2e-3))     # flips where the reference is no tie
+    bad = gpu_gates.oracle_gate(folder, art, device="cpu")
+    assert not bad["pass"], bad
+
+
+def test_too_many_ties_is_an_error():
+    a = np.zeros((1000, 4), np.float32)
+    m = np.full(1000, 1.0)
+    m[:5] = 0.0                                  # 0.5%: left out
+    assert gates.compare([a], [a], [m])["ties_excluded"] == 5
+    m[:6] = 0.0
+    with pytest.raises(gates.GateError, match="6 of 1000 positions are router ties"):
+        gates.compare([a], [a], [m])

@@ -88,7 +88,7 @@ def _t(i):
     (lambda r: r.update(colour="red"), ["unknown field", "colour"]),
     (lambda r: r["tensors"][1].update(role="attn_nrom"), ["tensors[1]", "attn_nrom", "roles.yaml"]),
     (lambda r: r["tensors"][2].update(cut="diagonal"), ["tensors[2]", "diagonal"]),
-    (lambda r: r["tensors"][1].update(cut="column"), ["tensors[1]", "1-D"]),
+    (lambda r: r["tensors"][1].update(cut="row"), ["tensors[1]", "1-D"]),      # (column: a bias's rows)
     (lambda r: r["tensors"][2].update(shape=["num_heads * head_dim", "hidden_size"]), ["shape[0]", "num_heads"]),
     (lambda r: r["tensors"][2].update(shape=["__import__('os')", "hidden_size"]), ["shape[0]", "calls something other than share"]),
     (lambda r: r["tensors"][2].update(name="attn_q"), ["{bid}", "tensors[2]"]),
@@ -120,7 +120,10 @@ def test_expressions():
     assert e({"bid": 1, "mlp_only_layers": [], "step": 2}) is True
     assert e({"bid": 1, "mlp_only_layers": [1], "step": 2}) is False
     assert specs.expr("a * b if c else 0", "t", "abc")({"a": 3, "b": 4, "c": True}) == 12
-    for bad in ("a.b", "f(a)", "a[0]", "lambda: 1", "[x for x in a]"):
+    assert specs.expr("a[b] == 'x' and len(a) == 2 and not outside(a, ['x', 'y'])", "t", "ab")(
+        {"a": ["y", "x"], "b": 1}) is True                       # indexing (Qwen3-Next's layer_types[bid])
+    assert specs.expr("outside(a, ['x'])", "t", "a")({"a": ["y", "x", "z"]}) == ["y", "z"]
+    for bad in ("a.b", "f(a)", "a[0:1]", "lambda: 1", "[x for x in a]"):
         with pytest.raises(errors.SpecError):
             specs.expr(bad, "t", {"a", "f", "x"})
 

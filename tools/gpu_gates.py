@@ -139,14 +139,15 @@ def oracle_gate(folder: Path, art: Path, device: str = "cuda", limit: int | None
     seqs = gates.sequences(folder, limit)
     ref = oracle.Oracle(folder)
     eng = Engine(art, device=device, ctx=max(len(s.ids) for s in seqs), ubatch=ubatch)
-    refs, cands = [], []
+    refs, cands, margins = [], [], []
     try:
         for sq in seqs:
             refs.append(ref.logits(sq.ids))
+            margins.append(ref.router_margins(sq.ids))
             cands.append(logits(eng, sq.ids))
     finally:
         _close(eng)
-    m = gates.compare(refs, cands)
+    m = gates.compare(refs, cands, margins)
     fails = gates.check(m, gates.load_bands()["cuda_vs_oracle"])
     return {"artifact": label(art), "vs": "f32 oracle", "device": eng.device, "sequences": len(seqs), **m,
             "fails": fails, "pass": not fails, "seconds": round(time.perf_counter() - t0, 1)}
@@ -283,7 +284,8 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"| {r['artifact']} | f32 oracle | ERROR {r['error'][:80]} | | | | | | FAIL |")
                 continue
-            print(f"| {r['artifact']} | f32 oracle | {r['positions']} | {r['argmax_agreement']:.4f} | {r['kl_mean']:.2e} | "
+            ties = f" (+{r['ties_excluded']} ties)" if r.get("ties_excluded") else ""
+            print(f"| {r['artifact']} | f32 oracle | {r['positions']}{ties} | {r['argmax_agreement']:.4f} | {r['kl_mean']:.2e} | "
                   f"{r['kl_max']:.2e} | {r['rel_l2_mean']:.2e} | {r['rel_l2_max']:.2e} | "
                   f"{'PASS' if r['pass'] else 'FAIL ' + '; '.join(r['fails'])} |")
     allr = rows + orows

@@ -21,6 +21,9 @@ quantization, see shared/notes/modelopt-cpu.md):
   activation entering that linear) is folded into the weight, W_eff = W * pre_quant_scale[None, :];
   FP8 KV-cache scales (k_scale / v_scale) are ignored (the cache is float32);
 - tied embeddings as the config says (lm_head shares embed_tokens when tie_word_embeddings);
+- the NextN / MTP layers a checkpoint stores after its decoder layers (model.layers.{L}..., L =
+  num_hidden_layers, num_nextn_predict_layers of them: GLM-4.5) are left out: transformers builds
+  no module for them (it skips them on load);
 - MoE experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) are stacked
   into transformers' fused `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
   `experts.down_proj` [E, H, I].
@@ -52,6 +55,7 @@ import numpy as np
 
 ORACLE_VERSION = "1"          # bump when the forward or the weight rules change: old cache entries go stale
 CACHE_ENV = "BLOOMERY_ORACLE_CACHE"
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HASHED_SUFFIXES = (".safetensors", ".json")
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
@@ -197,6 +201,17 @@ def state_dict_for(model, weights: Mapping[str, np.ndarray], tied: bool) -> dict
     import torch
 
     target = model.state_dict()
+    # tensors transformers itself ignores on load (Qwen3-Next's mtp.*), and the NextN / MTP decoder
+    # layers stored after the last one (GLM-4.5's model.layers.{L .. L+n-1}, L = num_hidden_layers,
+    # n = num_nextn_predict_layers): not the model's. Any other stray layer is still an error.
+    skip = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    L = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+    n_next = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+
+    def nextn(n: str) -> bool:
+        m = _LAYER_RE.match(n)
+        return bool(m) and L <= int(m.group(1)) < L + n_next
+    weights = {n: w for n, w in weights.items() if n in target or not (nextn(n) or any(r.search(n) for r in skip))}
     experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     plain: dict[str, np.ndarray] = {}
     for name, w in weights.items():
@@ -337,6 +352,53 @@ class Oracle:
                 other.parent.rmdir()
         d.mkdir(parents=True, exist_ok=True)
         (d / "source.json").write_text(json.dumps(source))
+
+    def router_margins(self, ids: Sequence[int]) -> np.ndarray | None:
+        """Per position, the smallest relative top-k margin of any MoE router of the model on this
+        sequence: (s_k - s_(k+1)) / max|s| over the router's choice scores s (its logits; for a
+        router with a correction bias, sigmoid(logits) + bias, the scores GLM chooses by; the group
+        limit is not applied), k its top_k. None for a model without routers. A margin near float32
+        noise is a tie: an executor that rounds differently may pick the other expert there, a
+        discrete change that says nothing about its correctness (tools/gates.py excludes such
+        positions, counted). Cached beside the logits."""
+        import torch
+
+        ids = [int(i) for i in ids]
+        p = self.cache_path(ids).with_suffix(".margin.npy")
+        if self.cache and p.is_file():       # all +inf: a model without routers
+            try:
+                arr = np.load(p)
+                if arr.shape == (len(ids),):
+                    return None if np.isinf(arr).all() else arr
+            except (OSError, ValueError):
+                pass
+        routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower() and hasattr(m, "weight")]
+        worst = np.full(len(ids), np.inf)
+
+        def hook(mod, args):
+            x = args[0].reshape(-1, mod.weight.shape[-1]).to(torch.float32)
+            s = x @ mod.weight.to(torch.float32).T
+            if hasattr(mod, "e_score_correction_bias"):
+                s = s.sigmoid() + mod.e_score_correction_bias.to(torch.float32)
+            k = int(getattr(mod, "top_k", None) or getattr(self.model.config, "num_experts_per_tok"))
+            top = torch.topk(s, k + 1, dim=-1).values
+            m = ((top[:, k - 1] - top[:, k]) / s.abs().amax(dim=-1).clamp_min(1e-30)).double().numpy()
+            np.minimum(worst, m[: len(ids)], out=worst)
+        handles = [r.register_forward_pre_hook(hook) for r in routers]
+        try:
+            if routers:
+                forward_logits(self.model, ids)
+        finally:
+            for h in handles:
+                h.remove()
+        if self.cache:
+            if not p.parent.is_dir():
+                self._new_entry(p.parent)
+            fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, worst)
+            os.replace(tmp, p)
+        return worst if routers else None
 
     def greedy(self, ids: Sequence[int], n: int, eos: Iterable[int] = ()) -> list[int]:
         """Greedy continuation (no cache of any kind: recomputes the prefix each step)."""

@@ -50,7 +50,7 @@ def family_config(family: str):
             linear_num_key_heads=2, linear_num_value_heads=4,
             moe_intermediate_size=128, shared_expert_intermediate_size=128,
             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=[1],            # a dense layer beside the sparse ones
             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                              "partial_rotary_factor": 0.25})
         arch = "Qwen3NextForCausalLM"

@@ -1,6 +1,8 @@
 """rope: rotary embedding in HF's rotate_half convention on HF-layout heads (the halves of each
 head rotate together; bloomery does not permute q/k). inv_freq and angles in float32 as HF's
-default rope computes them: inv_freq = 1 / theta^(arange(0, d, 2) / d), angle = pos * inv_freq."""
+default rope computes them: inv_freq = 1 / theta^(arange(0, d, 2) / d), angle = pos * inv_freq.
+Partial rotary (`rotary_dim` < head_dim: Qwen3-Next, GLM-4.5's partial_rotary_factor): only the
+first rotary_dim values of each head rotate (d = rotary_dim above), the rest pass through."""
 
 from functools import lru_cache
 
@@ -19,9 +21,11 @@ def cos_sin(pos: np.ndarray, theta: float, dim: int):
 
 def run(op, buf, w):
     x = buf[op["x"]]
-    d, half = op["head_dim"], op["head_dim"] // 2
-    xr = x.reshape(x.shape[0], op["heads"], d)
+    hd = op["head_dim"]
+    d = int(op.get("rotary_dim") or hd)
+    half = d // 2
+    xr = x.reshape(x.shape[0], op["heads"], hd)
     cos, sin = cos_sin(buf[op["pos"]], op["theta"], d)
-    x1, x2 = xr[..., :half], xr[..., half:]
-    y = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    x1, x2 = xr[..., :half], xr[..., half:d]
+    y = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xr[..., d:]], axis=-1)
     buf[op["out"]][...] = y.reshape(x.shape)
