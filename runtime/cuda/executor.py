@@ -5,12 +5,15 @@
     ex.reset()
 
 Contract: the NumpyExecutor's (runtime/numpy_executor.py), op by op (runtime/ops/*.py is the
-reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels).
+reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels; the hybrid
+families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py).
 
 - Weights: every tensor the plan reads is uploaded once at load from the artifact's mmapped
   shards, in its artifact layout (Artifact.gguf_arrays): no dequantized copy. The GEMV kernels
   read the stored format; norm weights and pre_quant_scale vectors (a few KB) are float32.
-- Buffers: the plan's, allocated once with the bound shapes (state shared by both programs).
+- Buffers: the plan's, allocated once with the bound shapes (state shared by both programs: the KV
+  cache and the recurrent states alike, zeroed at load and by reset(); a row at position 0 also
+  starts its slot's recurrent state afresh inside the kernels).
   The input buffers (tokens, positions, slot_ids) are views into one device array, written by
   one asynchronous copy from pinned host memory per run.
 - Each program is run once eagerly (positions -1: nothing is written to the KV cache; every
@@ -45,13 +48,25 @@ from bloomery.core import plan as P
 
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops.rope import inv_freq
+from . import bias_add as BA
+from . import causal_conv1d as CC
+from . import gated_delta as GD
 from . import gemm as M
 from . import gemv as G
+from . import moe_router_grouped as MRG
 from . import ops as K
+from . import rmsnorm_gated as RG
+from . import sigmoid_mul as SM
+from . import split_groups as SG
 
 DTYPES = {"f32": np.float32, "i32": np.int32}
 DENSE_DT = {"f32": 0, "bf16": 1, "f16": 2}
 GEMV_ROWS = 8                            # rows per GEMV launch (gemv.MAX_BATCH)
+
+
+def _rotary_dim(op) -> int:
+    """A rope op's rotated width: its rotary_dim, or the whole head."""
+    return int(op.get("rotary_dim") or op["head_dim"])
 
 
 def _dead_after(ops, j: int, buf: str) -> bool:
@@ -114,15 +129,19 @@ class DeviceWeights:
             return None
         return self.raw(name)["pre_quant_scale"]
 
-    def vector(self, name: str):
-        """A small tensor (norm weight) decoded to float32 on the device."""
-        if name not in self._vec:
+    def vector(self, name: str, offset: float = 0.0):
+        """A small tensor (norm weight) decoded to float32 on the device; with an offset, float32(offset) +
+        the tensor, summed in float32 on the host (rmsnorm's `offset`: the NumPy op's arithmetic)."""
+        key = name if not offset else (name, float(offset))
+        if key not in self._vec:
             t0 = time.perf_counter()
             v = np.ascontiguousarray(self.art.decode(name, self.rank), dtype=np.float32).reshape(-1)
-            self._vec[name] = cp.asarray(v)
+            if offset:
+                v = np.float32(offset) + v
+            self._vec[key] = cp.asarray(v)
             self.nbytes += v.nbytes
             self.upload_s += time.perf_counter() - t0
-        return self._vec[name]
+        return self._vec[key]
 
     def dense(self, name: str):
         """(device array, dtype code, rows, cols) of a dense table (the embedding)."""
@@ -164,6 +183,7 @@ class CudaExecutor:
         self.decode_bytes = 0            # weight bytes one decode step reads (bench)
         self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form) to compile
+        self._pooled: dict = {}          # scratch shared by ops (_pool)
         for prog, rows_sym in P.PROGRAMS.items():
             rows = symbols[rows_sym]
             bind = {**symbols, "rows": rows}
@@ -239,15 +259,18 @@ class CudaExecutor:
         return (b["op"] == "rope" and at["op"] == "attention" and a["x"] == a["out"] == at["q"]
                 and b["x"] == b["out"] == at["k"] and a["pos"] == b["pos"] == at["pos"]
                 and a["theta"] == b["theta"] and a["head_dim"] == b["head_dim"] == at["head_dim"]
-                and a["heads"] == at["heads"] and b["heads"] == at["kv_heads"] and at["head_dim"] % 2 == 0)
+                and a["heads"] == at["heads"] and b["heads"] == at["kv_heads"] and at["head_dim"] % 2 == 0
+                and _rotary_dim(a) == _rotary_dim(b) and _rotary_dim(a) % 2 == 0 and _rotary_dim(a) <= a["head_dim"])
 
     def _rope_qk_kv(self, rq, rk, at, bufs, rows) -> list:
         D, Hq, Hk = int(at["head_dim"]), int(at["heads"]), int(at["kv_heads"])
-        invf = cp.asarray(inv_freq(float(rq["theta"]), D))
+        RD = _rotary_dim(rq)                  # partial rotary: the other D - RD values pass through to the cache
+        invf = cp.asarray(inv_freq(float(rq["theta"]), RD))
         ck = bufs[at["cache_k"]]
         kern = self.k["rope_qk_kv_k"]
         args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
-                bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(ck.shape[1]))
+                bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(RD),
+                np.int32(ck.shape[1]))
         grid = K.grid1d(rows * (Hq + Hk) * (D // 2))
         return [lambda: kern(grid, (256,), args)]
 
@@ -266,6 +289,14 @@ class CudaExecutor:
 
     def _scratch(self, shape, dtype=np.float32):
         return cp.zeros(shape, dtype)
+
+    def _pool(self, key: str, shape, dtype=np.float32):
+        """A scratch array shared by every op of this executor that asks for `key` and shape (the ops of a
+        program run one after another on one stream, so one array serves all of them)."""
+        k = (key, tuple(int(d) for d in shape), np.dtype(dtype).str)
+        if k not in self._pooled:
+            self._pooled[k] = cp.zeros(shape, dtype)
+        return self._pooled[k]
 
     def _gemv(self, prog: str, lin: G.Linear, x, y, rows: int, accumulate: bool = False,
               exact: bool = False) -> list:
@@ -297,7 +328,7 @@ class CudaExecutor:
     def _op_rmsnorm(self, op, bufs, rows, prog):
         x, out = bufs[op["x"]], bufs[op["out"]]
         g = int(op["group"])
-        w = self.w.vector(op["weight"])
+        w = self.w.vector(op["weight"], float(op.get("offset") or 0.0))     # offset + weight (Qwen3-Next's norms)
         if w.size != g or x.size % g:
             raise PlanMismatch(f"rmsnorm {op['weight']}: weight of {w.size} values, group {g}, row {x.shape[-1]}")
         groups = x.size // g
@@ -335,11 +366,13 @@ class CudaExecutor:
 
     def _op_rope(self, op, bufs, rows, prog):
         x, out, pos = bufs[op["x"]], bufs[op["out"]], bufs[op["pos"]]
-        H, D = int(op["heads"]), int(op["head_dim"])
-        invf = cp.asarray(inv_freq(float(op["theta"]), D))
-        n = rows * H * (D // 2)
+        H, D, RD = int(op["heads"]), int(op["head_dim"]), _rotary_dim(op)
+        if RD % 2 or RD > D:
+            raise PlanMismatch(f"rope: rotary_dim {RD} with head_dim {D} (an even rotary_dim <= head_dim expected)")
+        invf = cp.asarray(inv_freq(float(op["theta"]), RD))
+        n = rows * H * max(RD // 2, D - RD)
         kern = self.k["rope_k"]
-        args = (x, out, pos, invf, np.int32(rows), np.int32(H), np.int32(D))
+        args = (x, out, pos, invf, np.int32(rows), np.int32(H), np.int32(D), np.int32(RD))
         grid = K.grid1d(n)
         return [lambda: kern(grid, (256,), args)]
 
@@ -452,6 +485,34 @@ class CudaExecutor:
         if prog == "decode":
             self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
         return steps
+
+    def _op_moe_router_grouped(self, op, bufs, rows, prog):
+        lin = self.w.linear(op["weight"])
+        E = lin.out
+        lg = self._scratch((rows, E))
+        steps = self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
+        if prog == "decode":
+            self.decode_bytes += lin.nbytes
+        return steps + MRG.launches(op, lg, self.w.vector(op["bias"]), bufs[op["ids"]], bufs[op["weights"]], rows)
+
+    # -- the hybrid families' ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py -------
+    def _op_causal_conv1d(self, op, bufs, rows, prog):
+        return CC.launches(op, bufs, rows, self.w)
+
+    def _op_gated_delta(self, op, bufs, rows, prog):
+        return GD.launches(op, bufs, rows, self.w, scratch=self._pool)
+
+    def _op_rmsnorm_gated(self, op, bufs, rows, prog):
+        return RG.launches(op, bufs, rows, self.w)
+
+    def _op_split_groups(self, op, bufs, rows, prog):
+        return SG.launches(op, bufs, rows, self.w)
+
+    def _op_sigmoid_mul(self, op, bufs, rows, prog):
+        return SM.launches(op, bufs, rows, self.w)
+
+    def _op_bias_add(self, op, bufs, rows, prog):
+        return BA.launches(op, bufs, rows, self.w)
 
     def _row_share(self, name: str, start: int, stop: int) -> G.Linear:
         """A rank's share [start, stop) of a replicated table's rows (the vocab-parallel tied head): views

@@ -59,10 +59,12 @@ __global__ void rmsnorm_k(const float *__restrict__ x, float *__restrict__ out, 
   for (int i = threadIdx.x; i < g; i += blockDim.x) po[i] = __fmul_rn(__fmul_rn(px[i], inv), w[i]);
 }
 
-// rope (HF rotate_half): one thread per (row, head, i < D/2); angle = float(max(pos, 0)) * inv_freq[i]
+// rope (HF rotate_half): one thread per (row, head, i < RD/2); angle = float(max(pos, 0)) * inv_freq[i].
+// Partial rotary (RD < D, the op's rotary_dim): only the first RD values of each head rotate (pairs i,
+// i + RD/2), the other D - RD pass through (copied when out is not x).
 __global__ void rope_k(const float *__restrict__ x, float *__restrict__ out, const int *__restrict__ pos,
-                       const float *__restrict__ invf, int rows, int heads, int D) {
-  const int half = D / 2;
+                       const float *__restrict__ invf, int rows, int heads, int D, int RD) {
+  const int half = RD / 2;
   const int n = rows * heads * half;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += gridDim.x * blockDim.x) {
     const int i = idx % half, rh = idx / half, r = rh / heads;
@@ -75,33 +77,52 @@ __global__ void rope_k(const float *__restrict__ x, float *__restrict__ out, con
     out[b + i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
     out[b + i + half] = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
   }
+  if (RD < D && out != x) {
+    const int np_ = D - RD, m = rows * heads * np_;
+    for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < m; idx += gridDim.x * blockDim.x) {
+      const size_t e = (size_t)(idx / np_) * D + RD + idx % np_;
+      out[e] = x[e];
+    }
+  }
 }
 
 // rope of q and of k, then k (roped) and v written at cache[slot, pos]: three launches in one (the
-// executor fuses rope q, rope k and attention's cache write when the plan has them in a row)
+// executor fuses rope q, rope k and attention's cache write when the plan has them in a row; q and k
+// are roped in place). A thread per (row, head, i < D/2): i < RD/2 rotates the pair (i, i + RD/2);
+// with partial rotary (RD < D) the others carry the pass-through values RD + 2(i - RD/2) and the one
+// after it (D - RD is even) into the cache unchanged.
 __global__ void rope_qk_kv_k(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
                              const int *__restrict__ pos, const int *__restrict__ slot, const float *__restrict__ invf,
-                             float *__restrict__ ck, float *__restrict__ cv, int rows, int Hq, int Hk, int D, int ctx) {
-  const int half = D / 2;
+                             float *__restrict__ ck, float *__restrict__ cv, int rows, int Hq, int Hk, int D, int RD,
+                             int ctx) {
+  const int half = D / 2, rh2 = RD / 2;
   const int nq = rows * Hq * half, n = nq + rows * Hk * half;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += gridDim.x * blockDim.x) {
     const bool isq = idx < nq;
     const int j = isq ? idx : idx - nq, H = isq ? Hq : Hk;
     const int i = j % half, rh = j / half, r = rh / H, h = rh % H;
-    const int pr = pos[r], p = max(pr, 0);
-    const float a = __fmul_rn((float)p, invf[i]);
-    float s, c;
-    sincosf(a, &s, &c);
+    const int pr = pos[r];
     float *x = isq ? q : k;
     const size_t b = (size_t)rh * D;
-    const float x1 = x[b + i], x2 = x[b + i + half];
-    const float y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-    x[b + i] = y1;
-    x[b + i + half] = y2;
-    if (!isq && pr >= 0 && pr < ctx) {
-      const size_t cb = ((size_t)slot[r] * ctx + pr) * ((size_t)Hk * D) + (size_t)h * D;
-      ck[cb + i] = y1; ck[cb + i + half] = y2;
-      cv[cb + i] = v[b + i]; cv[cb + i + half] = v[b + i + half];
+    const bool wr = !isq && pr >= 0 && pr < ctx;
+    const size_t cb = wr ? ((size_t)slot[r] * ctx + pr) * ((size_t)Hk * D) + (size_t)h * D : 0;
+    if (i < rh2) {
+      const int p = max(pr, 0);
+      const float a = __fmul_rn((float)p, invf[i]);
+      float s, c;
+      sincosf(a, &s, &c);
+      const float x1 = x[b + i], x2 = x[b + i + rh2];
+      const float y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)), y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+      x[b + i] = y1;
+      x[b + i + rh2] = y2;
+      if (wr) {
+        ck[cb + i] = y1; ck[cb + i + rh2] = y2;
+        cv[cb + i] = v[b + i]; cv[cb + i + rh2] = v[b + i + rh2];
+      }
+    } else if (wr) {
+      const int e = RD + 2 * (i - rh2);
+      ck[cb + e] = x[b + e]; ck[cb + e + 1] = x[b + e + 1];
+      cv[cb + e] = v[b + e]; cv[cb + e + 1] = v[b + e + 1];
     }
   }
 }

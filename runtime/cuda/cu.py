@@ -1,0 +1,43 @@
+"""Kernels kept in `.cu` files beside their Python binding (runtime/cuda/<op>.cu), compiled by NVRTC
+through cupy.RawModule from the file's text, once per process per kernel (CuPy also caches the
+compiled module on disk, keyed by the source and options).
+
+    k = cu.kernel("gated_delta", "gated_delta_k<16, 4>")     # a cupy.RawKernel
+    cu.source("gated_delta")                                  # the file's text (importable without CuPy)
+
+The .cu files are package data of bloomery.runtime.cuda (pyproject.toml); each is self-contained
+(no #include), so nvcc compiles it as it stands: `nvcc -arch=sm_90a -std=c++17 -c` with explicit
+instantiations (tools/bench_hybrid.py --nvcc prints the command and the ptxas report)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+try:                                    # importable without CuPy (CPU machines, test collection)
+    import cupy as cp
+except Exception:                        # pragma: no cover - depends on the machine
+    cp = None
+
+HERE = Path(__file__).resolve().parent
+OPTIONS = ("-std=c++17",)
+
+
+@lru_cache(maxsize=None)
+def source(stem: str) -> str:
+    """The text of runtime/cuda/<stem>.cu."""
+    return (HERE / f"{stem}.cu").read_text()
+
+
+_MODS: dict = {}
+
+
+def kernel(stem: str, name: str):
+    """The cupy.RawKernel `name` (a template instance is named as C++ writes it: "k<16, 4>") of
+    <stem>.cu, compiled on first use (one NVRTC module per kernel: a program compiles only the
+    instances it launches)."""
+    key = (stem, name)
+    if key not in _MODS:
+        mod = cp.RawModule(code=source(stem), options=OPTIONS, name_expressions=[name])
+        _MODS[key] = (mod, mod.get_function(name))
+    return _MODS[key][1]
