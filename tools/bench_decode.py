@@ -3,14 +3,32 @@ the CUDA executor (one CUDA graph per step), against the device copy bandwidth m
 same run and against Hugging Face transformers (torch, bf16) on the same shape.
 
     python -m bloomery.tools.bench_decode [--shapes smollm2-135m llama3-8b] [--steps 256]
-        [--peer] [--work DIR] [--out DIR] [--layers shape=N ...]
+        [--peer] [--work DIR] [--ckpt-dir DIR] [--out DIR] [--layers shape=N ...] [--prepare-only]
+    python -m bloomery.tools.bench_decode --traffic --shapes qwen3-next-80b-a3b glm-4.5-air   # no GPU
 
 Per shape: load time (and upload GB/s), decode tok/s through Engine.decode (the host feeds the
-token, reads back the next id: one sync per token), ms/token, weight bytes read per token (the
-linears', the head's, the top-k experts', the embedding row), achieved GB/s and % of the copy
-bandwidth; also the graph replayed back to back (no host in the loop) for the device-side time.
+token, reads back the next id: one sync per token), ms/token, and the bytes a decode step moves,
+counted two ways: the executor's weight count (the linears', the head's, the top-k experts', the
+embedding row: what its kernels read) and the model's whole traffic (tools/synthetic.py's tensor
+list: every dense weight, the embedding row, the head, only the top-k routed experts plus the shared
+expert(s); the recurrent states of the gated delta nets read and written whole each token; the KV
+cache read over the mean attended length of the timed steps and one position written): achieved
+GB/s, % of the copy bandwidth, and the copy roofline in tok/s. Also the graph replayed back to back
+(no host in the loop) for the device-side time, and the device time per op kind (the gated delta
+net's causal_conv1d / gated_delta / rmsnorm_gated / split_groups, the gated attention's
+sigmoid_mul, GLM's bias_add and grouped router among them). Prefill: one chunk per length, against
+the bf16 tensor-core rate (the delta rule's 6 x v_heads x k_dim x v_dim FLOPs a row counted beside
+the linears' and the causal attention's).
 --peer: HF transformers in bf16 (random init, same config): eager (DynamicCache) and a
-StaticCache decode loop under torch.compile(mode="reduce-overhead", fullgraph=True).
+StaticCache decode loop under torch.compile(mode="reduce-overhead", fullgraph=True); skipped, with
+the reason, where its bf16 weights do not fit in the GPU's free memory (Qwen3-Next-80B's 159 GB and
+GLM-4.5-Air's 214 GB at full depth: give --layers).
+Disk: the checkpoint and the artifact are about the same size and coexist during prepare; the run
+refuses before writing when --work (and --ckpt-dir) lack the room, naming the most layers that fit.
+--ckpt-dir /dev/shm puts the checkpoint in memory (a tmpfs), leaving the disk to the artifact. The
+checkpoint's shards are deleted as soon as prepare is done (config.json stays, for the peer).
+--prepare-only writes and prepares, then stops (a later call finds the artifact in --work).
+--traffic prints the bytes-per-token model of the shapes (at --layers) and exits: no GPU needed.
 Prints a table last.
 """
 
@@ -32,7 +50,157 @@ def log(*a):
     print(*a, flush=True)
 
 
-def bench_cuda(art: Path, steps: int, prompt_len: int = 16) -> dict:
+PROMPT_LEN, WARM = 16, 8          # bench_cuda's prompt and warm-up steps
+
+
+def mean_context(steps: int, prompt_len: int = PROMPT_LEN, warm: int = WARM) -> float:
+    """Keys a timed decode step attends to, on average (the prompt, the steps before it, itself)."""
+    return float(np.mean([prompt_len + i + 1 for i in range(warm, steps)]))
+
+
+def decode_traffic(shape: dict, fmt: str = "nvfp4", ctx: float = 1.0, state_bytes: int = 4,
+                   kv_bytes: int = 4) -> dict:
+    """Bytes one batch-1 decode step moves at `ctx` attended keys, by part, from the checkpoint's
+    stored tensors (tools/synthetic.py's list: the stored formats' bytes, scales included): every
+    dense weight (attention, delta net, dense MLPs, norms), the embedding row, the head, the routers,
+    top_k / experts of the routed experts' bytes, the shared expert(s); the gated delta nets' conv
+    window and delta-rule state, read and written whole; the KV cache, ctx positions read, one
+    written. `total` sums them; `experts_stored` (all routed experts) is not in it."""
+    from bloomery.tools import synthetic as S
+    s = shape
+    p = dict.fromkeys(("dense", "embed_row", "head", "routers", "experts_active", "shared", "recurrent_state",
+                       "conv_state", "kv_read", "kv_write", "experts_stored"), 0.0)
+    for n, dt, shp in S.tensors(s, fmt):
+        nb = float(np.prod(shp)) * S.ITEMSIZE[dt]
+        if n == "model.embed_tokens.weight":
+            p["embed_row"] += nb / s["vocab"]
+            if s["tied"]:
+                p["head"] += nb
+        elif n == "lm_head.weight":
+            p["head"] += nb
+        elif ".mlp.experts." in n:
+            p["experts_stored"] += nb
+            p["experts_active"] += nb * s["top_k"] / s["experts"]
+        elif ".mlp.shared_expert." in n or ".mlp.shared_experts." in n:
+            p["shared"] += nb
+        elif ".mlp.gate." in n or n.endswith("shared_expert_gate.weight"):
+            p["routers"] += nb
+        else:
+            p["dense"] += nb
+    if s["model_type"] == "qwen3_next":
+        kinds = S.layer_types(s)
+        conv = 2 * s["lin_k_heads"] * s["lin_k_dim"] + s["lin_v_heads"] * s["lin_v_dim"]
+        n_lin = kinds.count("linear_attention")
+        p["recurrent_state"] = 2.0 * n_lin * s["lin_v_heads"] * s["lin_k_dim"] * s["lin_v_dim"] * state_bytes
+        p["conv_state"] = 2.0 * n_lin * (s["conv_kernel"] - 1) * conv * state_bytes
+        n_att = kinds.count("full_attention")
+    else:
+        n_att = s["layers"]
+    row = n_att * s["kv"] * s["head_dim"] * 2 * kv_bytes          # K and V of one position, every attention layer
+    p["kv_read"], p["kv_write"] = ctx * row, float(row)
+    p["total"] = sum(v for k, v in p.items() if k != "experts_stored")
+    return p
+
+
+def plan_states(plan: dict, symbols: dict) -> dict:
+    """From the artifact's plan, per slot: the bytes of its recurrent states (every `state` buffer
+    but the KV caches: read and written whole each step), of one cached position of every KV
+    cache, and the states' itemsize (the plan's dtype)."""
+    from bloomery.core import plan as P
+    rec = kv = 0
+    items = set()
+    for n, b in plan["buffers"].items():
+        if b["kind"] != "state":
+            continue
+        size = 4 if b["dtype"] in ("f32", "i32") else 2
+        items.add(size)
+        nb = int(np.prod(P.shape(b, symbols))) * size // int(symbols["slots"])
+        if n.startswith("kv."):
+            kv += nb // int(symbols["ctx"])
+        else:
+            rec += nb
+    return {"recurrent_bytes": rec, "kv_row_bytes": kv, "itemsize": max(items) if items else 4}
+
+
+def delta_flops(plan: dict, prog: str = "prefill") -> int:
+    """Useful FLOPs a row of the program's gated delta rules does (recurrent form: k^T S, the rank-1
+    update, q^T S: 2 x k_dim x v_dim each, per value head)."""
+    return sum(6 * int(o["v_heads"]) * int(o["k_dim"]) * int(o["v_dim"])
+               for o in plan["programs"][prog]["ops"] if o["op"] == "gated_delta")
+
+
+# the per-op-kind profile's tags (the executor's op names, fused launches joined by +) in groups
+OP_GROUPS = {
+    "linear": "linears", "linear+add": "linears", "logits": "head",
+    "rope": "attention", "attention": "attention", "rope+rope+attention": "attention",
+    "sigmoid_mul": "attention", "bias_add": "attention",
+    "causal_conv1d": "delta net", "gated_delta": "delta net", "rmsnorm_gated": "delta net",
+    "split_groups": "delta net", "rmsnorm": "rmsnorm",
+    "moe_router": "MoE router", "moe_router_grouped": "MoE router",
+    "moe_experts": "MoE experts", "moe_experts+add": "MoE experts",
+}
+
+
+def grouped(profile: dict) -> dict:
+    out: dict = {}
+    for tag, (ms, n) in profile.items():
+        g = OP_GROUPS.get(tag, "other")
+        a = out.setdefault(g, [0.0, 0])
+        a[0] += ms
+        a[1] += n
+    return out
+
+
+def fit_layers(name: str, fmt: str, room: float, both: bool) -> int | None:
+    """The most layers of the shape (in steps that keep its layer pattern) whose checkpoint (and, when
+    `both`, an artifact of about the same size beside it) fit in `room` bytes."""
+    from bloomery.tools import synthetic as S
+    step = S.SHAPES[name].get("full_interval", 1) if S.SHAPES[name]["model_type"] == "qwen3_next" else 1
+    best = None
+    for n in range(step, S.SHAPES[name]["layers"] + 1, step):
+        try:
+            need = S.nbytes(S.tensors(S.shape_of(name, n), fmt)) * (2 if both else 1)
+        except ValueError:
+            continue
+        if need <= room:
+            best = n
+    return best
+
+
+def check_room(name: str, fmt: str, layers: int | None, work: Path, ckdir: Path) -> None:
+    """Refuses, before anything is written, a checkpoint + artifact that would not fit on the disk(s)."""
+    import shutil
+
+    from bloomery.tools import synthetic as S
+    size = S.nbytes(S.tensors(S.shape_of(name, layers), fmt))
+    margin = 1 << 30
+    for d in (work, ckdir):
+        d.mkdir(parents=True, exist_ok=True)
+    same = os.stat(work).st_dev == os.stat(ckdir).st_dev
+    free_w, free_c = shutil.disk_usage(work).free, shutil.disk_usage(ckdir).free
+    if same and 2 * size + margin > free_w:
+        n = fit_layers(name, fmt, free_w - margin, True)
+        raise OSError(f"{name} ({fmt}, {layers or S.SHAPES[name]['layers']} layers): checkpoint + artifact need "
+                      f"~{2 * size / 1e9:.1f} GB, {work} has {free_w / 1e9:.1f} GB free: --layers {name}={n} fits, "
+                      f"or put the checkpoint elsewhere (--ckpt-dir /dev/shm)")
+    if not same and (size + margin > free_c or size + margin > free_w):
+        n = min(x or 0 for x in (fit_layers(name, fmt, free_c - margin, False),
+                                 fit_layers(name, fmt, free_w - margin, False)))
+        raise OSError(f"{name} ({fmt}, {layers or S.SHAPES[name]['layers']} layers): ~{size / 1e9:.1f} GB each for "
+                      f"the checkpoint ({ckdir}: {free_c / 1e9:.1f} GB free) and the artifact ({work}: "
+                      f"{free_w / 1e9:.1f} GB free): --layers {name}={n} fits")
+
+
+def print_traffic(name: str, shape: dict, fmt: str, ctx: float, bw: float | None = None) -> dict:
+    t = decode_traffic(shape, fmt, ctx)
+    parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in t.items() if k not in ("total", "experts_stored") and v)
+    roof = f"; copy roofline {bw / t['total']:.1f} tok/s at {bw / 1e12:.3f} TB/s" if bw else ""
+    log(f"{name} ({fmt}, {shape['layers']} layers, {ctx:.1f} keys attended): {t['total'] / 1e6:.1f} MB/token "
+        f"[{parts}] (all routed experts stored: {t['experts_stored'] / 1e9:.2f} GB){roof}")
+    return t
+
+
+def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
     import cupy as cp
 
     from bloomery.runtime import Engine
@@ -46,11 +214,11 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = 16) -> dict:
     row = eng.prefill(prompt, last_only=True)
     prefill_s = time.perf_counter() - t1
     tok = int(np.argmax(row))
-    for _ in range(8):                            # warm
+    for _ in range(WARM):                         # warm
         _, nxt = eng.decode([tok], logits=False)
         tok = int(nxt[0])
     t2 = time.perf_counter()
-    n = steps - 8
+    n = steps - WARM
     for _ in range(n):
         _, nxt = eng.decode([tok], logits=False)
         tok = int(nxt[0])
@@ -68,9 +236,11 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = 16) -> dict:
         e1.synchronize()
         replay = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 50
     prof = ex.profile("decode", reps=20) if g is not None else {}
-    return {"profile": {k: [round(v[0], 4), v[1]] for k, v in prof.items()},"load_s": load_s, "upload_gb": ex.w.nbytes / 1e9, "upload_s": ex.w.upload_s,
+    return {"profile": {k: [round(v[0], 4), v[1]] for k, v in prof.items()}, "load_s": load_s,
+            "upload_gb": ex.w.nbytes / 1e9, "upload_s": ex.w.upload_s,
             "warm_s": ex.warm_s, "prefill_s": prefill_s, "s_per_tok": dt, "replay_s": replay,
-            "bytes_per_tok": ex.decode_bytes, "kernels": len(ex.steps["decode"])}
+            "bytes_per_tok": ex.decode_bytes, "kernels": len(ex.steps["decode"]),
+            "plan_states": plan_states(ex.plan, ex.symbols)}
 
 
 def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
@@ -106,42 +276,59 @@ def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
     e1.synchronize()
     dev = cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 3
     f = ex.flops["prefill"]
-    flops = f["linear"] + f["attention_per_key"] * n * (n + 1) // 2
+    fd = delta_flops(ex.plan) * n                # the executor counts the linears and attention only
+    flops = f["linear"] + f["attention_per_key"] * n * (n + 1) // 2 + fd
     prof = ex.profile("prefill", reps=2)
-    res = {"n": n, "wall_s": wall, "device_s": dev, "flops": flops, "linear_flops": f["linear"],
+    res = {"n": n, "wall_s": wall, "device_s": dev, "flops": flops, "linear_flops": f["linear"], "delta_flops": fd,
            "profile": {k: [round(v[0], 3), v[1]] for k, v in prof.items()}, "gemm_mode": ex.gemm_mode}
     del eng, ex, g
     cp.get_default_memory_pool().free_all_blocks()
     return res
 
 
-def bench_peer(ckpt: Path, steps: int, prompt_len: int = 16, compiled: bool = True) -> dict:
+def peer_fits(shape: dict) -> tuple[bool, str]:
+    """Whether HF's bf16 model of the shape (weights as transformers holds them: tools/synthetic.py's
+    bf16 list) fits in the GPU's free memory with 6 GiB to spare for activations and cache."""
     import torch
+
+    from bloomery.tools import synthetic as S
+    need = S.nbytes(S.tensors(shape, "bf16"))
+    free = torch.cuda.mem_get_info()[0]
+    if need + (6 << 30) > free:
+        return False, (f"HF bf16 weights {need / 1e9:.1f} GB + 6 GiB > {free / 1e9:.1f} GB free on the GPU "
+                       f"({shape['layers']} layers; fewer with --layers)")
+    return True, f"HF bf16 weights {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+
+
+def bench_peer(ckpt: Path, steps: int, prompt_len: int = PROMPT_LEN, compiled: bool = True,
+               device: str = "cuda") -> dict:
+    import torch
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
     cfg = AutoConfig.from_pretrained(ckpt)
     cfg.torch_dtype = torch.bfloat16
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
     res = {"peer_bytes": nbytes}
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)          # eager, DynamicCache
         pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         for i in range(steps):
-            if i == 8:
-                torch.cuda.synchronize()
+            if i == WARM:
+                sync()
                 t0 = time.perf_counter()
             out = model(input_ids=tok, past_key_values=pkv, use_cache=True)
             pkv, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        res["eager_s_per_tok"] = (time.perf_counter() - t0) / (steps - 8)
+        sync()
+        res["eager_s_per_tok"] = (time.perf_counter() - t0) / (steps - WARM)
         del pkv, out
         if compiled:
             t0 = time.perf_counter()
             cache = StaticCache(config=model.config, max_cache_len=prompt_len + steps + 16)
             out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                        cache_position=torch.arange(prompt_len, device="cuda"))
+                        cache_position=torch.arange(prompt_len, device=device))
             tok = out.logits[:, -1:].argmax(-1)
 
             def step(t, pos):
@@ -150,13 +337,13 @@ def bench_peer(ckpt: Path, steps: int, prompt_len: int = 16, compiled: bool = Tr
             cstep = torch.compile(step, mode="reduce-overhead", fullgraph=True)
             for i in range(steps):
                 if i == 8:
-                    torch.cuda.synchronize()
+                    sync()
                     res["compile_s"] = time.perf_counter() - t0
                     t1 = time.perf_counter()
                 torch.compiler.cudagraph_mark_step_begin()
-                lg = cstep(tok, torch.tensor([prompt_len + i], device="cuda"))
+                lg = cstep(tok, torch.tensor([prompt_len + i], device=device))
                 tok = lg[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
             res["compiled_s_per_tok"] = (time.perf_counter() - t1) / (steps - 8)
     return res
 
@@ -165,7 +352,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["smollm2-135m", "llama3-8b"])
     ap.add_argument("--format", default="nvfp4")
-    ap.add_argument("--layers", nargs="*", default=[], help="shape=N: fewer layers than the real model")
+    ap.add_argument("--layers", nargs="*", default=[],
+                    help="shape=N: fewer layers than the real model (qwen3-next-80b-a3b: a multiple of 4, its "
+                         "3 linear : 1 full attention pattern; glm-4.5-air: >= 2, its first layer dense)")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-shapes", nargs="*", default=None, help="run the peer on these only (default: all)")
@@ -174,34 +363,83 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-modes", nargs="*", default=[None],
                     help="BLOOMERY_PREFILL_GEMM settings to time prefill in (default: the lever's setting)")
     ap.add_argument("--prefill-shapes", nargs="*", default=None, help="time prefill on these only (default: all)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/bloomery-bench"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bloomery-bench"), help="where the artifacts stay")
+    ap.add_argument("--ckpt-dir", type=Path, default=None,
+                    help="where the synthetic checkpoints are written (default: --work; /dev/shm: in memory)")
+    ap.add_argument("--prepare-only", action="store_true", help="write and prepare the shapes, then stop")
+    ap.add_argument("--traffic", action="store_true", help="print the bytes-per-token model and exit (no GPU)")
+    ap.add_argument("--bw", type=float, default=4.26, help="--traffic: copy bandwidth in TB/s for its roofline")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    from bloomery.compiler.prepare import prepare
     from bloomery.tools import synthetic
     layers = {k: int(v) for k, v in (x.split("=") for x in a.layers)}
-    bw = copy_bandwidth()
-    log(f"copy bandwidth (D2D 2 GiB, read + write, median of 10): {bw / 1e12:.3f} TB/s")
-    tc = bf16_gemm_rate() if a.prefill else 0.0
-    if tc:
-        log(f"bf16 tensor-core rate (cuBLAS 8192^3, bf16 in, f32 accumulate and out, median of 10): {tc / 1e12:.1f} TFLOP/s")
+    try:
+        shapes = {s: synthetic.shape_of(s, layers.get(s)) for s in a.shapes}
+    except (KeyError, ValueError) as e:
+        ap.error(f"{e} (shapes: {', '.join(sorted(synthetic.SHAPES))})")
+    ctx = mean_context(a.steps)
+    if a.traffic:
+        for s, sh in shapes.items():
+            print_traffic(s, sh, a.format, ctx, a.bw * 1e12)
+            t1k = decode_traffic(sh, a.format, ctx + 1000)["kv_read"] - decode_traffic(sh, a.format, ctx)["kv_read"]
+            log(f"  each 1,000 more keys attended: +{t1k / 1e6:.1f} MB/token")
+        return 0
+    import gc
+    import shutil
+
+    from bloomery.compiler.prepare import prepare
+    ckdir = a.ckpt_dir or a.work
+    bw = tc = 0.0
+    if not a.prepare_only:
+        bw = copy_bandwidth()
+        log(f"copy bandwidth (D2D 2 GiB, read + write, median of 10): {bw / 1e12:.3f} TB/s")
+        tc = bf16_gemm_rate() if a.prefill else 0.0
+        if tc:
+            log(f"bf16 tensor-core rate (cuBLAS 8192^3, bf16 in, f32 accumulate and out, median of 10): {tc / 1e12:.1f} TFLOP/s")
     rows = []
-    for shape in a.shapes:
-        r = {"shape": shape, "format": a.format, "layers": layers.get(shape, synthetic.SHAPES[shape]["layers"])}
-        ck, art = a.work / f"{shape}-{a.format}-ckpt", a.work / f"{shape}-{a.format}"
+
+    def free_gpu():
+        gc.collect()                         # the executors' launch closures hold cycles
+        try:
+            import cupy as cp
+            cp.get_default_memory_pool().free_all_blocks()
+        except Exception:
+            pass
+
+    for shape, sh in shapes.items():
+        r = {"shape": shape, "format": a.format, "layers": sh["layers"]}
+        ck, art = ckdir / f"{shape}-{a.format}-ckpt", a.work / f"{shape}-{a.format}"
         try:
             if not art.exists():
+                shutil.rmtree(ck, ignore_errors=True)              # a leftover of an interrupted run
+                check_room(shape, a.format, layers.get(shape), a.work, ckdir)
                 t0 = time.perf_counter()
                 synthetic.write(shape, ck, a.format, layers=layers.get(shape))
                 r["synthetic_s"] = time.perf_counter() - t0
+                r["ckpt_gb"] = sum(f.stat().st_size for f in ck.glob("*.safetensors")) / 1e9
                 t0 = time.perf_counter()
                 prepare(ck, art, progress=False)
                 r["prepare_s"] = time.perf_counter() - t0
-                log(f"{shape}: synthetic {r['synthetic_s']:.1f} s, prepare {r['prepare_s']:.1f} s")
+                for f in ck.glob("*.safetensors"):                 # config.json stays for the peer
+                    f.unlink()
+                log(f"{shape}: synthetic {r['ckpt_gb']:.2f} GB in {r['synthetic_s']:.1f} s, prepare "
+                    f"{r['prepare_s']:.1f} s ({r['ckpt_gb'] / r['prepare_s']:.2f} GB/s)")
+            if a.prepare_only:
+                rows.append(r)
+                continue
             r.update(bench_cuda(art, a.steps))
+            ps = r["plan_states"]
+            t = decode_traffic(sh, a.format, ctx, ps["itemsize"], ps["itemsize"])
+            mine = (t["recurrent_state"] + t["conv_state"]) / 2, t["kv_write"]
+            if mine != (ps["recurrent_bytes"], ps["kv_row_bytes"]):
+                log(f"{shape}: WARNING the traffic model's states ({mine[0]:.0f} B recurrent, {mine[1]:.0f} B a KV "
+                    f"position) are not the plan's ({ps['recurrent_bytes']} B, {ps['kv_row_bytes']} B)")
+            r.update(traffic=t, ctx=ctx, traffic_per_tok=t["total"], roofline_tok_s=bw / t["total"],
+                     pct_copy_traffic=100 * t["total"] / r["s_per_tok"] / bw)
             r["gb_s"] = r["bytes_per_tok"] / r["s_per_tok"] / 1e9
             r["pct_copy"] = 100 * r["bytes_per_tok"] / r["s_per_tok"] / bw
             log(json.dumps(r))
+            free_gpu()
             if a.prefill_shapes is None or shape in a.prefill_shapes:
                 r["prefill"] = []
                 for n, mode in ((n, m) for m in a.prefill_modes for n in a.prefill):
@@ -212,29 +450,38 @@ def main(argv=None) -> int:
                         import traceback
                         traceback.print_exc()
                         p = {"n": n, "error": f"{type(e).__name__}: {e}"}
+                    free_gpu()
                     r["prefill"].append(p)
                     log(json.dumps(p))
             if a.peer and (a.peer_shapes is None or shape in a.peer_shapes):
                 import torch        # the peer needs torch; bloomery does not
-                r.update(bench_peer(ck, a.steps, compiled=not a.no_compile))
+                free_gpu()
+                ok, why = peer_fits(sh)
+                log(f"{shape}: peer {'runs' if ok else 'skipped'}: {why}")
+                if ok:
+                    if not (ck / "config.json").exists():
+                        synthetic.write_config(sh, ck, a.format)
+                    r.update(bench_peer(ck, a.steps, compiled=not a.no_compile))
+                else:
+                    r["peer_skipped"] = why
                 torch.cuda.empty_cache()             # the peer's model is gone with bench_peer's frame
-                log(json.dumps(r))
+                log(json.dumps(r, default=str))
         except Exception as e:
             import traceback
             traceback.print_exc()
             r["error"] = f"{type(e).__name__}: {e}"
         rows.append(r)
-        import shutil
-        shutil.rmtree(ck, ignore_errors=True)
-        try:
-            import cupy as cp
-            cp.get_default_memory_pool().free_all_blocks()
-        except Exception:
-            pass
+        if not a.prepare_only:
+            shutil.rmtree(ck, ignore_errors=True)
+        free_gpu()
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "bench_decode.json").write_text(json.dumps({"copy_bw": bw, "bf16_tc": tc, "rows": rows}, indent=1,
                                                             default=str))
+    if a.prepare_only:
+        for r in rows:
+            log(f"{r['shape']}: {r.get('error') or 'artifact in ' + str(a.work / (r['shape'] + '-' + a.format))}")
+        return 0
     log()
     log("decode device time per op kind (each kind's launches replayed alone from a graph; ms per token, launches):")
     for r in rows:
@@ -242,6 +489,17 @@ def main(argv=None) -> int:
             tot = sum(v[0] for v in r["profile"].values())
             parts = ", ".join(f"{k} {v[0]:.3f} ({v[1]})" for k, v in sorted(r["profile"].items(), key=lambda kv: -kv[1][0]))
             log(f"  {r['shape']}: sum {tot:.3f} ms over {r['kernels']} launches: {parts}")
+            g = grouped(r["profile"])
+            log("    by group: " + ", ".join(f"{k} {v[0]:.3f} ({v[1]})"
+                                          for k, v in sorted(g.items(), key=lambda kv: -kv[1][0])))
+    log()
+    log("bytes a decode step moves (the model's count, MB: tools/bench_decode.decode_traffic):")
+    for r in rows:
+        if "traffic" in r:
+            t = r["traffic"]
+            log(f"  {r['shape']} ({r['layers']} layers, {r['ctx']:.1f} keys): total {t['total'] / 1e6:.1f} = " +
+                ", ".join(f"{k} {v / 1e6:.1f}" for k, v in t.items() if k not in ("total", "experts_stored") and v) +
+                f"; the executor's weight count {r['bytes_per_tok'] / 1e6:.1f}")
     log()
     if tc:
         log(f"prefill (one chunk; device time of the prefill graph; bf16 tensor-core rate {tc / 1e12:.1f} TFLOP/s):")
@@ -256,22 +514,27 @@ def main(argv=None) -> int:
                 log(f"| {r['shape']} | {p['n']} | {p['gemm_mode']} | {1e3 * p['device_s']:.1f} | {p['n'] / p['device_s']:.0f} | "
                     f"{p['flops'] / p['device_s'] / 1e12:.1f} | {p['pct_tc']:.1f} | {1e3 * p['wall_s']:.1f} | {top} |")
         log()
-    log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s; MB/tok: the executor's weight count | the model's whole traffic "
+        f"(states and KV included), whose copy roofline the last columns compare with")
     log("| shape | fmt | layers | load s (upload GB/s) | tok/s | ms/tok | graph ms/tok | MB/tok | GB/s | % copy "
-        "| peer eager tok/s | peer compiled tok/s | x compiled peer |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| MB/tok all | roofline tok/s | % roofline | peer eager tok/s | peer compiled tok/s | x compiled peer |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "s_per_tok" not in r:
             log(f"| {r['shape']} | {r['format']} | {r['layers']} | ERROR {r.get('error', '')[:90]} |")
             continue
-        pe = f"{1 / r['eager_s_per_tok']:.1f}" if "eager_s_per_tok" in r else "-"
+        pe = f"{1 / r['eager_s_per_tok']:.1f}" if "eager_s_per_tok" in r else "skipped" if "peer_skipped" in r else "-"
         pc = f"{1 / r['compiled_s_per_tok']:.1f}" if "compiled_s_per_tok" in r else "-"
         ratio = f"{r['compiled_s_per_tok'] / r['s_per_tok']:.2f}" if "compiled_s_per_tok" in r else "-"
         rp = f"{1e3 * r['replay_s']:.3f}" if r.get("replay_s") else "-"
         up = r["upload_gb"] / r["upload_s"] if r["upload_s"] else 0
         log(f"| {r['shape']} | {r['format']} | {r['layers']} | {r['load_s']:.2f} ({up:.1f}) | {1 / r['s_per_tok']:.1f} | "
             f"{1e3 * r['s_per_tok']:.3f} | {rp} | {r['bytes_per_tok'] / 1e6:.1f} | {r['gb_s']:.0f} | "
-            f"{r['pct_copy']:.1f} | {pe} | {pc} | {ratio} |")
+            f"{r['pct_copy']:.1f} | {r['traffic_per_tok'] / 1e6:.1f} | {r['roofline_tok_s']:.1f} | "
+            f"{r['pct_copy_traffic']:.1f} | {pe} | {pc} | {ratio} |")
+    for r in rows:
+        if "peer_skipped" in r:
+            log(f"peer skipped on {r['shape']}: {r['peer_skipped']}")
     return 0
 
 
