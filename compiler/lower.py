@@ -149,21 +149,32 @@ class _Decoder:
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight=b + "ffn_norm", out=xn, eps=self.eps, group=self.hidden)
         if b + "ffn_gate_inp" in self.t:
-            experts = int(self.t[b + "ffn_gate_inp"].shape[0])
-            ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
-            wts = self.rows("moe_weights", self.top_k)
-            self.op("moe_router", x=xn, weight=b + "ffn_gate_inp", ids=ids, weights=wts, top_k=self.top_k,
-                    norm=self.norm_topk)
-            f = self.rows("ffn_out", self.hidden)
-            self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
-                    down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
+            f = self.routed(xn, b, "moe_router", norm=self.norm_topk)
         else:
-            g = self.linear(xn, b + "ffn_gate", "ffn_gate")
-            u = self.linear(xn, b + "ffn_up", "ffn_up")
-            self.op("swiglu", gate=g, up=u, out=g)
-            f = self.linear(g, b + "ffn_down", "ffn_out")
+            f = self.mlp(xn, b)
         self.reduce(f)
         self.op("add", a=h, b=f, out=h)
+
+    def mlp(self, xn: str, b: str, suffix: str = "") -> str:
+        """SwiGLU MLP down(silu(gate x) * up x) of tensors ffn_{gate,up,down}{suffix}: the dense
+        FFN (suffix ''), or a shared expert ('_shexp'). Returns its output buffer."""
+        buf = "ffn" if not suffix else suffix.strip("_")
+        g = self.linear(xn, f"{b}ffn_gate{suffix}", f"{buf}_gate")
+        u = self.linear(xn, f"{b}ffn_up{suffix}", f"{buf}_up")
+        self.op("swiglu", gate=g, up=u, out=g)
+        return self.linear(g, f"{b}ffn_down{suffix}", f"{buf}_out")
+
+    def routed(self, xn: str, b: str, router: str, **attrs) -> str:
+        """The routed experts: the router op `router` (weight ffn_gate_inp, its attrs) choosing
+        top_k of them, then moe_experts. Returns the output buffer ffn_out."""
+        experts = int(self.t[b + "ffn_gate_inp"].shape[0])
+        ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
+        wts = self.rows("moe_weights", self.top_k)
+        self.op(router, x=xn, weight=b + "ffn_gate_inp", ids=ids, weights=wts, top_k=self.top_k, **attrs)
+        f = self.rows("ffn_out", self.hidden)
+        self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
+                down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
+        return f
 
     def head(self, xn: str) -> None:
         tied = "output" not in self.t
@@ -212,24 +223,11 @@ class _Glm4Moe(_Decoder):
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight=b + "post_attention_norm", out=xn, eps=self.eps, group=self.hidden)
         if b + "ffn_gate_inp" not in self.t:          # a leading dense layer
-            g = self.linear(xn, b + "ffn_gate", "ffn_gate")
-            u = self.linear(xn, b + "ffn_up", "ffn_up")
-            self.op("swiglu", gate=g, up=u, out=g)
-            f = self.linear(g, b + "ffn_down", "ffn_out")
+            f = self.mlp(xn, b)
         else:
-            experts = int(self.t[b + "ffn_gate_inp"].shape[0])
-            ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
-            wts = self.rows("moe_weights", self.top_k)
-            self.op("moe_router_grouped", x=xn, weight=b + "ffn_gate_inp", bias=b + "exp_probs_b", ids=ids,
-                    weights=wts, top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-                    norm=self.norm_topk, scale=self.scale)
-            f = self.rows("ffn_out", self.hidden)
-            self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
-                    down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
-            g = self.linear(xn, b + "ffn_gate_shexp", "shexp_gate")
-            u = self.linear(xn, b + "ffn_up_shexp", "shexp_up")
-            self.op("swiglu", gate=g, up=u, out=g)
-            s = self.linear(g, b + "ffn_down_shexp", "shexp_out")
+            f = self.routed(xn, b, "moe_router_grouped", bias=b + "exp_probs_b", n_group=self.n_group,
+                            topk_group=self.topk_group, norm=self.norm_topk, scale=self.scale)
+            s = self.mlp(xn, b, "_shexp")
             self.op("add", a=f, b=s, out=f)
         self.reduce(f)
         self.op("add", a=h, b=f, out=h)
@@ -327,25 +325,12 @@ class _Qwen3Next(_Decoder):
         xn = self.rows("xn", self.hidden)
         self.norm(h, b + "post_attention_norm", xn, self.hidden)
         if b + "ffn_gate_inp" in self.t:
-            experts = int(self.t[b + "ffn_gate_inp"].shape[0])
-            ids = self.buf("moe_ids", ["rows", self.top_k], "i32")
-            wts = self.rows("moe_weights", self.top_k)
-            self.op("moe_router", x=xn, weight=b + "ffn_gate_inp", ids=ids, weights=wts, top_k=self.top_k,
-                    norm=self.norm_topk)
-            f = self.rows("ffn_out", self.hidden)
-            self.op("moe_experts", x=xn, ids=ids, weights=wts, gate=b + "ffn_gate_exps", up=b + "ffn_up_exps",
-                    down=b + "ffn_down_exps", out=f, experts=experts, top_k=self.top_k)
-            g = self.linear(xn, b + "ffn_gate_shexp", "shexp_gate")
-            u = self.linear(xn, b + "ffn_up_shexp", "shexp_up")
-            self.op("swiglu", gate=g, up=u, out=g)
-            s = self.linear(g, b + "ffn_down_shexp", "shexp_out")
+            f = self.routed(xn, b, "moe_router", norm=self.norm_topk)
+            s = self.mlp(xn, b, "_shexp")
             sg = self.linear(xn, b + "ffn_gate_inp_shexp", "shexp_weight")
             self.op("sigmoid_mul", x=s, gate=sg, out=s)
             self.op("add", a=f, b=s, out=f)
         else:
-            g = self.linear(xn, b + "ffn_gate", "ffn_gate")
-            u = self.linear(xn, b + "ffn_up", "ffn_up")
-            self.op("swiglu", gate=g, up=u, out=g)
-            f = self.linear(g, b + "ffn_down", "ffn_out")
+            f = self.mlp(xn, b)
         self.reduce(f)
         self.op("add", a=h, b=f, out=h)

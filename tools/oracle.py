@@ -329,13 +329,17 @@ class Oracle:
         arr = forward_logits(self.model, ids)
         self.computed += 1
         if self.cache:
-            if not p.parent.is_dir():
-                self._new_entry(p.parent)
-            fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, arr)
-            os.replace(tmp, p)
+            self._store(p, arr)
         return arr
+
+    def _store(self, p: Path, arr: np.ndarray) -> None:
+        """Write a cache file atomically (a new key's folder made first)."""
+        if not p.parent.is_dir():
+            self._new_entry(p.parent)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, p)
 
     def _new_entry(self, d: Path) -> None:
         """Make this key's folder, naming its source; drop the entries of the same source made
@@ -392,12 +396,7 @@ class Oracle:
             for h in handles:
                 h.remove()
         if self.cache:
-            if not p.parent.is_dir():
-                self._new_entry(p.parent)
-            fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, worst)
-            os.replace(tmp, p)
+            self._store(p, worst)
         return worst if routers else None
 
     def greedy(self, ids: Sequence[int], n: int, eos: Iterable[int] = ()) -> list[int]:
