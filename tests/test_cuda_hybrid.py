@@ -233,7 +233,8 @@ def delta_inputs(rng, dims, rows):
             "out": np.full((rows, Hv * dv), 7.0, np.float32)}
 
 
-def delta_call(op, hb, db, w, pos, slot, rng, ex=None, steps=None, qw=None, pipe=None):
+def delta_call(op, hb, db, w, pos, slot, rng, ex=None, steps=None, qw=None, pipe=None, chunked=None):
+    """One call of both; returns the chunked path's plan ({one run?, n, slot, p0}) when it ran, else None."""
     dims = (op["k_heads"], op["v_heads"], op["k_dim"], op["v_dim"])
     inp = delta_inputs(rng, dims, len(pos))
     hb.update(inp, pos=pos, slot=slot)
@@ -242,7 +243,12 @@ def delta_call(op, hb, db, w, pos, slot, rng, ex=None, steps=None, qw=None, pipe
     if qw is not None:
         ex = bare(w)
         steps = GD.launches(op, db, len(pos), ex.w, qw=qw, pipe=pipe)
+    elif chunked is not None and op["mode"] == "prefill":
+        ex = bare(w)
+        steps = GD.launches(op, db, len(pos), ex.w, pipe=True, chunked=chunked)
     run_both(op, hb, db, w, len(pos), op["mode"], ex=ex, steps=steps)
+    metas = [f.meta for f in steps or () if hasattr(f, "meta")]
+    return cp.asnumpy(metas[0]).tolist() if metas else None
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
@@ -283,6 +289,104 @@ def test_gated_delta_prefill_then_decode(dims, n):
         same("gated_delta out", db["out"], hb["out"], TOL_DELTA, f" (call {i}, {mode}, n={n})")
         same("gated_delta state", db["st"][1], hb["st"][1], TOL_DELTA, f" (call {i}, {mode}, n={n})")
     assert np.array_equal(cp.asnumpy(db["st"][0]), s0), "the idle slot's state changed"
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
+def test_gated_delta_chunked_scenario(dims):
+    """The chunked prefill path (chunked=True) on the interleaved scenario: its rows are never one run
+    (slots interleaved, idle rows between them, a reset inside a chunk), so the device-side plan must
+    send every prompt call to the token-by-token kernel; results as the NumPy op."""
+    rng = np.random.default_rng(sum(dims) + 1)
+    Hk, Hv, dk, dv = dims
+    assert GD.chunk_fits(dk, dv)
+    w = delta_weights(rng, dims)
+    st = f32(rng, SLOTS, Hv, dk, dv, scale=0.1)
+    hb, db = {"st": st.copy()}, {"st": cp.asarray(st)}
+    idle = st[3].copy()
+    for i, (mode, pos, slot) in enumerate(scenario(rng)):
+        meta = delta_call(delta_op(dims, mode), hb, db, w, pos, slot, rng, chunked=True)
+        if mode == "prefill":
+            assert meta is not None and meta[0] == 0, f"call {i}: interleaved rows taken as one run: {meta}"
+        same("gated_delta out", db["out"], hb["out"], TOL_DELTA, f" (call {i}, {mode}, chunked)")
+        assert not cp.asnumpy(db["out"])[pos < 0].any(), f"call {i}: idle rows must give zeros"
+        for s in range(SLOTS):
+            same("gated_delta state", db["st"][s], hb["st"][s], TOL_DELTA, f" (call {i}, {mode}, slot {s}, chunked)")
+    assert np.array_equal(cp.asnumpy(db["st"][3]), idle), "the idle slot's state changed"
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_gated_delta_chunked_prefill_then_decode(dims, n):
+    """test_gated_delta_prefill_then_decode through the chunked prefill path: a chunk of n rows from
+    position 0 on slot 1 (one run: the chunkwise kernels take it), a second chunk of 7 rows continuing
+    it with 3 idle rows after them (one run: taken, the idle rows zeroed), then 3 decode steps."""
+    rng = np.random.default_rng(n + 1000 * dims[2])
+    Hk, Hv, dk, dv = dims
+    w = delta_weights(rng, dims)
+    st = f32(rng, 2, Hv, dk, dv, scale=0.1)
+    hb, db = {"st": st.copy()}, {"st": cp.asarray(st)}
+    s0 = st[0].copy()
+    feeds = [("prefill", np.arange(n, dtype=np.int32), np.ones(n, np.int32)),
+             ("prefill", np.r_[np.arange(n, n + 7), [-1] * 3].astype(np.int32), np.ones(10, np.int32))]
+    feeds += [("decode", np.array([-1, n + 7 + t], np.int32), np.array([0, 1], np.int32)) for t in range(3)]
+    for i, (mode, pos, slot) in enumerate(feeds):
+        meta = delta_call(delta_op(dims, mode), hb, db, w, pos, slot, rng, chunked=True)
+        if mode == "prefill":
+            want = [1, n if i == 0 else 7, 1, 0 if i == 0 else n]
+            assert meta == want, f"call {i}: plan {meta}, expected {want}"
+        same("gated_delta out", db["out"], hb["out"], TOL_DELTA, f" (call {i}, {mode}, n={n}, chunked)")
+        same("gated_delta state", db["st"][1], hb["st"][1], TOL_DELTA, f" (call {i}, {mode}, n={n}, chunked)")
+        assert not cp.asnumpy(db["out"])[pos < 0].any(), f"call {i}: idle rows must give zeros"
+    assert np.array_equal(cp.asnumpy(db["st"][0]), s0), "the idle slot's state changed"
+
+
+def test_gated_delta_chunked_graph_replay():
+    """The chunked path captured once into a CUDA graph (Qwen3-Next dims, 96 rows) and replayed with new
+    positions / slots / inputs written into the same buffers: one run from position 0 (chunked), an
+    interleaved two-slot call with a reset (the recurrence), one run continuing slot 0 (chunked)."""
+    dims, rows = QWEN, 96
+    rng = np.random.default_rng(77)
+    Hk, Hv, dk, dv = dims
+    w = delta_weights(rng, dims)
+    st = f32(rng, 2, Hv, dk, dv, scale=0.1)
+    hb, db = {"st": st.copy()}, {"st": cp.asarray(st)}
+    op = delta_op(dims, "prefill")
+    db.update(dev(delta_inputs(rng, dims, rows)), pos=cp.zeros(rows, cp.int32), slot=cp.zeros(rows, cp.int32))
+    ex = bare(w)
+    steps = GD.launches(op, db, rows, ex.w, pipe=True, chunked=True)
+    meta = [f.meta for f in steps if hasattr(f, "meta")][0]
+    snap = db["st"].copy()
+    with ex.stream:                                          # eager once (compiles), then capture
+        for f in steps:
+            f()
+        ex.stream.synchronize()
+        ex.stream.begin_capture()
+        for f in steps:
+            f()
+        graph = ex.stream.end_capture()
+    ex.stream.synchronize()
+    db["st"][...] = snap
+    feeds = [(np.r_[np.arange(80), [-1] * 16], np.r_[np.zeros(80), np.ones(16)], 1),
+             (np.r_[[0, 80, 1, 81, 2, -1], np.arange(82, 120), [-1] * 52], np.r_[[1, 0, 1, 0, 1, 0], np.zeros(38),
+                                                                                  np.zeros(52)], 0),
+             (np.r_[np.arange(120, 210), [-1] * 6], np.zeros(96), 1)]
+    for i, (pos, slot, chunk) in enumerate(feeds):
+        pos, slot = pos.astype(np.int32), slot.astype(np.int32)
+        assert len(pos) == rows
+        inp = delta_inputs(rng, dims, rows)
+        hb.update(inp, pos=pos, slot=slot)
+        hb["out"] = inp["out"].copy()
+        for k, v in inp.items():
+            db[k][...] = cp.asarray(v)
+        db["pos"][...], db["slot"][...] = cp.asarray(pos), cp.asarray(slot)
+        IMPL["gated_delta"].run(op, hb, HostW(w))
+        cp.cuda.Device().synchronize()                       # the copies above ran on the null stream
+        graph.launch(ex.stream)
+        ex.stream.synchronize()
+        assert int(meta[0]) == chunk, f"replay {i}: plan {cp.asnumpy(meta).tolist()}, one run expected: {bool(chunk)}"
+        same("gated_delta out", db["out"], hb["out"], TOL_DELTA, f" (replay {i})")
+        same("gated_delta state", db["st"], hb["st"], TOL_DELTA, f" (replay {i})")
+        assert not cp.asnumpy(db["out"])[pos < 0].any(), f"replay {i}: idle rows must give zeros"
 
 
 @pytest.mark.parametrize("dims", [QWEN, (2, 4, 32, 32)], ids=["qwen3next", "gqa-small"])

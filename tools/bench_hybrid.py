@@ -14,7 +14,9 @@ Qwen3-Next-80B-A3B's delta-net dims (16 key heads, 32 value heads, k_dim = v_dim
    bytes (+ q/k/v/a/b read, out written), % of the copy bandwidth; every kernel instance (16 / 8 / 4
    columns per warp).
 4. gated_delta prefill: 4,096 rows of one slot (from position 0: the state is written, not read;
-   and continuing: read and written), us/call, us/token, GB/s of all bytes, state updates per second.
+   and continuing: read and written), us/call, us/token, GB/s of all bytes, state updates per second;
+   then the token-by-token path (old) against the chunked one (new, chunked=True), alternating
+   graph replays in the same run (each checked against the NumPy op first, at 512 rows).
 5. causal_conv1d at the same dims: decode batch 1 / 8, prefill 4,096 rows.
 """
 
@@ -42,7 +44,8 @@ def log(*a):
 
 INSTANCES = {
     "gated_delta": [f"gated_delta_k<{ni}, {qw}>" for qw in (4, 2, 1) for ni in (1, 2, 4, 8, 16)]
-                   + [f"gated_delta_run_k<{ni}, {qw}>" for qw in (4, 2, 1) for ni in (1, 2, 4, 8)],
+                   + [f"gated_delta_run_k<{ni}, {qw}>" for qw in (4, 2, 1) for ni in (1, 2, 4, 8)]
+                   + [f"gated_delta_chunk_b_k<{dk}>" for dk in (16, 32, 64, 128)],
     "causal_conv1d": [f"causal_conv1d_k<{k}>" for k in range(2, 9)],
     "rmsnorm_gated": [], "split_groups": [], "sigmoid_mul": [], "bias_add": [], "moe_router_grouped": [],
 }
@@ -53,7 +56,10 @@ SIGS = {
                      "int, float)",
     "gated_delta_run_k": "(const float *__restrict__, const float *__restrict__, const float *__restrict__, "
                          "const int *__restrict__, const int *__restrict__, float *__restrict__, float *__restrict__, "
-                         "int, int, int, int, int, int)",
+                         "int, int, int, int, int, int, const int *__restrict__)",
+    "gated_delta_chunk_b_k": "(const float *__restrict__, const float *__restrict__, const float *__restrict__, "
+                             "const float *__restrict__, const int *__restrict__, float *__restrict__, "
+                             "float *__restrict__, int, int, int, int)",
     "causal_conv1d_k": "(const float *, float *, const int *__restrict__, const int *__restrict__, "
                      "const float *__restrict__, float *__restrict__, int, int, int)",
 }
@@ -202,6 +208,60 @@ def bench_delta_prefill(rows, qw, bw, rng, fresh: bool) -> dict:
             "state_updates_per_s": upd / t}
 
 
+def _capture(fns, s):
+    with s:
+        for f in fns:                        # eager once (compiles, warms)
+            f()
+        s.synchronize()
+        s.begin_capture()
+        try:
+            for f in fns:
+                f()
+        finally:
+            g = s.end_capture()
+    return g
+
+
+def bench_delta_prefill_ab(rows, rng, fresh: bool, reps: int = 7, check_rows: int = 512) -> dict:
+    """gated_delta prefill, the token-by-token path (old) against the chunked one (new), `rows` rows of
+    one slot: first both checked against the NumPy op on `check_rows` rows, then each captured into a
+    graph (3 calls) and the two replayed alternately, reps times each; medians per call."""
+    import cupy as cp
+    from bloomery.runtime.cuda import gated_delta as GD
+    from bloomery.runtime.ops import IMPL
+    res = {"rows": rows, "from_position_0": fresh}
+    for name, chunked in (("old", False), ("new", True)):
+        op, w, host, d = delta_setup(check_rows, 1, rng, "prefill")
+        host["pos"] = np.arange(check_rows, dtype=np.int32) + (0 if fresh else 10)
+        host["slot"] = np.zeros(check_rows, np.int32)
+        d["pos"], d["slot"] = cp.asarray(host["pos"]), cp.asarray(host["slot"])
+        for f in GD.launches(op, d, check_rows, DevW(w), pipe=True, chunked=chunked):
+            f()
+        cp.cuda.Device().synchronize()
+        IMPL["gated_delta"].run(op, host, w)
+        res[f"rel_{name}"] = (rel(cp.asnumpy(d["out"]), host["out"]), rel(cp.asnumpy(d["st"]), host["st"]))
+    op, w, host, d = delta_setup(rows, 1, rng, "prefill")
+    d["pos"] = cp.asarray(np.arange(rows, dtype=np.int32) + (0 if fresh else 10))
+    d["slot"] = cp.zeros(rows, cp.int32)
+    dw = DevW(w)
+    s = cp.cuda.Stream(non_blocking=True)
+    graphs = {name: _capture(GD.launches(op, d, rows, dw, pipe=True, chunked=chunked) * 3, s)
+              for name, chunked in (("old", False), ("new", True))}
+    ts = {"old": [], "new": []}
+    for _ in range(reps):
+        for name in ("old", "new"):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            graphs[name].launch(s)
+            e1.record(s)
+            e1.synchronize()
+            ts[name].append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 3)
+    for name in ("old", "new"):
+        res[f"us_{name}"] = float(np.median(ts[name])) * 1e6
+    res["speedup"] = res["us_old"] / res["us_new"]
+    return res
+
+
 def bench_conv(rows, slots, bw, rng) -> dict:
     import cupy as cp
     from bloomery.runtime.cuda import causal_conv1d as CC
@@ -232,12 +292,32 @@ def bench_conv(rows, slots, bw, rng) -> dict:
             "rel_out": err[0], "rel_state": err[1]}
 
 
+def prefill_ab(rows, rng, res) -> int:
+    """The old-vs-chunked table (bench_delta_prefill_ab, from position 0 and continuing); failures."""
+    fails = 0
+    a = argparse.Namespace(rows=rows)
+    log(f"\ngated_delta prefill, token by token (old) vs chunked (new), {a.rows} rows, one slot, alternating "
+        "graph replays (3 calls each), medians; rel L2 (out, state) against the NumPy op at 512 rows")
+    log("| from | old us | new us | speedup | rel old | rel new |\n|---|---|---|---|---|---|")
+    res["prefill_ab"] = []
+    for fresh in (True, False):
+        r = bench_delta_prefill_ab(a.rows, rng, fresh)
+        res["prefill_ab"].append(r)
+        ok = all(x <= 1e-5 for x in r["rel_old"] + r["rel_new"])
+        fails += not ok
+        log(f"| {'position 0' if fresh else 'continuing'} | {r['us_old']:.1f} | {r['us_new']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['rel_old'][0]:.1e} / {r['rel_old'][1]:.1e} | "
+            f"{r['rel_new'][0]:.1e} / {r['rel_new'][1]:.1e} |" + ("" if ok else "  FAIL (> 1e-5)"))
+    return fails
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write results.json here")
     ap.add_argument("--quick", action="store_true", help="the default configurations only, no sweep")
     ap.add_argument("--nvcc", action="store_true", help="compile the .cu files with nvcc and print ptxas reports")
     ap.add_argument("--rows", type=int, default=4096, help="prefill rows (default 4096)")
+    ap.add_argument("--ab", action="store_true", help="only gated_delta prefill old vs chunked (checked, then timed)")
     a = ap.parse_args(argv)
     if a.nvcc:
         return 1 if nvcc_report() else 0
@@ -252,6 +332,13 @@ def main(argv=None) -> int:
     pqws = [GD.QW_OF_MODE["prefill"]] if a.quick else [c[1] for c in GD.configs(QWEN["k_dim"], QWEN["v_dim"], True)]
     res = {"device": dev, "copy_Bps": bw, "check": {}, "decode": [], "prefill": [], "conv": []}
     fails = 0
+    if a.ab:
+        fails += prefill_ab(a.rows, rng, res)
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "bench_hybrid.json").write_text(json.dumps(res, indent=1, default=str))
+        log(f"\n{fails} check failure(s)")
+        return 1 if fails else 0
     for qw, pipe in [(q, False) for q in qws] + [(q, True) for q in pqws]:
         c = check_delta(qw, pipe, rng)
         res["check"][f"{qw}{'p' if pipe else ''}"] = c
@@ -275,6 +362,7 @@ def main(argv=None) -> int:
             res["prefill"].append(r)
             log(f"| {'position 0' if fresh else 'continuing'} | {4 * qw} | {r['us']:.1f} | {r['us_per_token']:.3f} | "
                 f"{r['all_GBps']:.0f} | {r['pct_copy']:.1f} | {r['state_updates_per_s']:.3g} |")
+    fails += prefill_ab(a.rows, rng, res)
     log("\ncausal_conv1d (8192 channels, kernel 4, in place; bytes: x read + out written + state read + written)")
     log("| rows | slots | us | GB/s | % copy | rel out | rel state |\n|---|---|---|---|---|---|---|")
     for rows, slots in ((1, 1), (8, 8), (a.rows, 1)):

@@ -22,7 +22,8 @@
 // gates itself, one launch) and, for prompt chunks, gated_delta_prep_k (every row's normalised q, k
 // and exp(g), beta, in parallel over rows) then gated_delta_run_k (the recurrence alone, the inputs
 // of rows r+1 and r+2 loaded while row r is computed, three buffers in rotation, and the next tile's
-// rows prefetched into L2).
+// rows prefetched into L2). Opt-in for prompt chunks that are one run of one slot: the chunkwise form
+// (gated_delta_plan_k, gated_delta_chunk_a_k, gated_delta_chunk_b_k: see the section at the end).
 
 typedef unsigned int u32;
 #define FULL_MASK 0xffffffffu
@@ -280,7 +281,8 @@ template <int NI, int QW>
 __global__ void __launch_bounds__(128) gated_delta_run_k(
     const float *__restrict__ qkv, const float *__restrict__ qk, const float *__restrict__ gb,
     const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ state, float *__restrict__ out,
-    int rows, int nslots, int Hk, int Hv, int dk, int dv) {
+    int rows, int nslots, int Hk, int Hv, int dk, int dv, const int *__restrict__ skip) {
+  if (skip[0]) return;                                       // the chunked path takes this call (gated_delta_plan_k)
   WARP_SETUP
   const size_t QK = (size_t)2 * Hk * dk, qo = (size_t)hk * dk + i0, ko = (size_t)(Hk + hk) * dk + i0;
   const Ahead ahead{qk, qkv, gb, QK, W, vo - 4 * cq, (int)(hk * dk), (int)((Hk + hk) * dk), dk, Hv, h};
@@ -316,4 +318,269 @@ __global__ void __launch_bounds__(128) gated_delta_run_k(
     for (int i = 0; i < NI; i++)
       *reinterpret_cast<float4 *>(st + (size_t)i * dv) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
   }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Prompt chunks, the chunkwise (WY) form: the NumPy op's "prefill" form (runtime/ops/gated_delta.py
+// _chunked), blocks of CH = 64 rows counted from the run's first row, float32 on the CUDA cores.
+//
+// It takes a call only when its rows are one run: rows [0, n) active, all of slot s, positions p0,
+// p0+1, ..., and rows [n, rows) inactive (the layout of a prompt chunk with padding at the end). The
+// layout lives in device memory (one captured graph serves every call), so the choice is made on the
+// device: gated_delta_plan_k writes meta = {ok, n, s, p0}; gated_delta_run_k (the token-by-token
+// recurrence, every layout) returns at once when ok, gated_delta_chunk_a_k / _b_k return at once
+// when not. After gated_delta_prep_k (normalised q, k; exp(g), beta):
+//  a: per (block, v head): cum = cumsum(g) (sequential, as np.cumsum), the masked attentions
+//     L = tril(K beta K^T * decay, -1) and P = tril(Q K^T * decay) (P to scratch), then the unit-lower-
+//     triangular solve (I + L) [u | w] = [V beta | K beta exp(cum)] by forward substitution (a thread
+//     per column); u, w, cum to scratch.
+//  b: per (32 v columns, v head), the blocks in order with S [dk, 32] in shared memory (and each
+//     thread's rows of it in registers): v_new = u - w S; o = exp(cum) (Q S) + P v_new;
+//     S = exp(cum_last) S + (K exp(cum_last - cum))^T v_new. Rows [n, rows) get zeros.
+
+#define CH 64
+#define CB_COLS 32
+#define CB_THREADS 512
+
+// meta[0] = the rows are one run (see above), meta[1] = n, meta[2] = its slot, meta[3] = its first position
+__global__ void __launch_bounds__(1024) gated_delta_plan_k(const int *__restrict__ pos, const int *__restrict__ slot,
+                                                          int rows, int nslots, int *__restrict__ meta) {
+  __shared__ int first_dead;
+  if (threadIdx.x == 0) first_dead = rows;
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int p = pos[r], s = slot[r];
+    if (!(p >= 0 && s >= 0 && s < nslots)) atomicMin(&first_dead, r);
+  }
+  __syncthreads();
+  const int n = first_dead;
+  const int s0 = n > 0 ? slot[0] : -1, p0 = n > 0 ? pos[0] : -1;
+  int bad = n <= 0;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int p = pos[r], s = slot[r];
+    const bool live = p >= 0 && s >= 0 && s < nslots;
+    if (r < n) bad |= s != s0 || p != p0 + r;
+    else bad |= live;
+  }
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) { meta[0] = !bad; meta[1] = n; meta[2] = s0; meta[3] = p0; }
+}
+
+__device__ __forceinline__ float gate_g(float a, float dtb, float nA) {    // g (softplus_gate: exp(g))
+  const float x = __fadd_rn(a, dtb);
+  const float sp = x > 20.0f ? x : log1pf(expf(fminf(x, 20.0f)));
+  return __fmul_rn(nA, sp);
+}
+
+// a: grid (blocks of CH rows, Hv), 256 threads; dynamic shared memory
+// (2 * CH * (dk + 1) + CH * (dv + dk) + CH * (CH + 1) + 3 * CH) floats.
+// Scratch: uw [Hv, rows, dv + dk] (u then w), pm [Hv, rows, CH] (P, row i of a block: columns j <= i of
+// the block), cg [Hv, rows] (cum, within the block).
+__global__ void __launch_bounds__(256) gated_delta_chunk_a_k(
+    const float *__restrict__ qkv, const float *__restrict__ qk, const float *__restrict__ gb,
+    const float *__restrict__ a, const float *__restrict__ A_log, const float *__restrict__ dt_bias,
+    const int *__restrict__ meta, float *__restrict__ uw, float *__restrict__ pm, float *__restrict__ cg,
+    int rows, int Hk, int Hv, int dk, int dv) {
+  if (!meta[0]) return;
+  const int n = meta[1], r0 = blockIdx.x * CH, h = blockIdx.y, hk = h / (Hv / Hk);
+  if (r0 >= n) return;
+  const int m = min(CH, n - r0), t = threadIdx.x, NT = blockDim.x;
+  const int ks = dk + 1, xw = dv + dk;
+  extern __shared__ float sm[];
+  float *Ks = sm, *Qs = Ks + CH * ks, *X = Qs + CH * ks, *L = X + CH * xw, *cum = L + CH * (CH + 1),
+        *bs = cum + CH, *gs = bs + CH;
+  const size_t QK = (size_t)2 * Hk * dk, W = (size_t)2 * Hk * dk + (size_t)Hv * dv;
+  for (int idx = t; idx < m * dk; idx += NT) {
+    const int r = idx / dk, d = idx % dk;
+    const float *y = qk + (size_t)(r0 + r) * QK;
+    Qs[r * ks + d] = y[(size_t)hk * dk + d];
+    Ks[r * ks + d] = y[(size_t)(Hk + hk) * dk + d];
+  }
+  if (t < m) {
+    const size_t rr = (size_t)(r0 + t);
+    gs[t] = gate_g(a[rr * Hv + h], dt_bias[h], -expf(A_log[h]));
+    bs[t] = gb[(rr * Hv + h) * 2 + 1];
+  }
+  __syncthreads();
+  if (t == 0) {                                                // np.cumsum: sequential, float32
+    float c = 0.f;
+    for (int r = 0; r < m; r++) { c = __fadd_rn(c, gs[r]); cum[r] = c; }
+  }
+  __syncthreads();
+  if (t < m) cg[(size_t)h * rows + r0 + t] = cum[t];
+  // L (strictly lower, in shared) and P (lower with the diagonal, to scratch)
+  for (int idx = t; idx < m * m; idx += NT) {
+    const int i = idx / m, j = idx % m;
+    float l = 0.f, p = 0.f;
+    if (j <= i) {
+      const float dec = expf(__fsub_rn(cum[i], cum[j]));
+      const float bi = bs[i];
+      float sk = 0.f, sq = 0.f;
+      for (int d = 0; d < dk; d++) {
+        const float kj = Ks[j * ks + d];
+        sk = fmaf(__fmul_rn(Ks[i * ks + d], bi), kj, sk);
+        sq = fmaf(Qs[i * ks + d], kj, sq);
+      }
+      if (j < i) l = __fmul_rn(sk, dec);
+      p = __fmul_rn(sq, dec);
+    }
+    L[i * (CH + 1) + j] = l;
+    pm[((size_t)h * rows + r0 + i) * CH + j] = p;
+  }
+  // right-hand sides: [v beta | (k beta) exp(cum)]
+  for (int idx = t; idx < m * xw; idx += NT) {
+    const int r = idx / xw, c = idx % xw;
+    const float b = bs[r];
+    X[r * xw + c] = c < dv ? __fmul_rn(qkv[(size_t)(r0 + r) * W + (size_t)2 * Hk * dk + (size_t)h * dv + c], b)
+                           : __fmul_rn(__fmul_rn(Ks[r * ks + c - dv], b), expf(cum[r]));
+  }
+  __syncthreads();
+  // forward substitution, a thread per column: x_i = rhs_i - sum_{j<i} L_ij x_j
+  for (int c = t; c < xw; c += NT) {
+    for (int i = 1; i < m; i++) {
+      float x = X[i * xw + c];
+      for (int j = 0; j < i; j++) x = fmaf(-L[i * (CH + 1) + j], X[j * xw + c], x);
+      X[i * xw + c] = x;
+    }
+    for (int i = 0; i < m; i++) uw[((size_t)h * rows + r0 + i) * xw + c] = X[i * xw + c];
+  }
+}
+
+// b: grid (dv / 32, Hv), CB_THREADS threads (lane = column, warp = row group); DK = k_dim, dynamic
+// shared memory (3 * CH * DK + CH * CH + 2 * CH * 32 + DK * 32 + 2 * CH) floats.
+template <int DK>
+__global__ void __launch_bounds__(CB_THREADS, 1) gated_delta_chunk_b_k(
+    const float *__restrict__ qk, const float *__restrict__ uw, const float *__restrict__ pm,
+    const float *__restrict__ cg, const int *__restrict__ meta, float *__restrict__ state,
+    float *__restrict__ out, int rows, int Hk, int Hv, int dv) {
+  if (!meta[0]) return;
+  constexpr int NW = CB_THREADS / 32, NR = DK / NW, RR = CH / NW;   // S rows per thread, block rows per thread
+  static_assert(DK % NW == 0, "k_dim a multiple of 16");
+  const int n = meta[1], s = meta[2], p0 = meta[3];
+  const int c = threadIdx.x & 31, rg = threadIdx.x >> 5, t = threadIdx.x, h = blockIdx.y, hk = h / (Hv / Hk);
+  const int j0 = blockIdx.x * CB_COLS;                        // this block's first v column
+  const int xw = dv + DK;
+  extern __shared__ __align__(16) float sm[];
+  float *Ws = sm, *Qs = Ws + CH * DK, *Ks = Qs + CH * DK, *Pm = Ks + CH * DK, *Us = Pm + CH * CH,
+        *Vn = Us + CH * CB_COLS, *Ss = Vn + CH * CB_COLS, *ec = Ss + DK * CB_COLS, *el = ec + CH;
+  const size_t QK = (size_t)2 * Hk * DK, os = (size_t)Hv * dv;
+  float *st = state + ((size_t)s * Hv + h) * DK * dv + j0 + c;
+  float S[NR];
+#pragma unroll
+  for (int k = 0; k < NR; k++) {
+    const int i = rg * NR + k;
+    S[k] = p0 == 0 ? 0.f : st[(size_t)i * dv];
+    Ss[i * CB_COLS + c] = S[k];
+  }
+  for (int r0 = 0; r0 < n; r0 += CH) {
+    const int m = min(CH, n - r0);
+    __syncthreads();                                           // the last block's readers are done
+    if (t < CH) {
+      const float cl = cg[(size_t)h * rows + r0 + m - 1];
+      const float cr = t < m ? cg[(size_t)h * rows + r0 + t] : 0.f;
+      ec[t] = t < m ? expf(cr) : 0.f;
+      el[t] = t < m ? expf(__fsub_rn(cl, cr)) : 0.f;          // exp(cum_last - cum_r)
+      if (t == 0) el[CH] = expf(cl);
+    }
+    for (int idx = t; idx < CH * DK; idx += CB_THREADS) {
+      const int r = idx / DK, d = idx % DK;
+      float w = 0.f, q = 0.f, k = 0.f;
+      if (r < m) {
+        const size_t rr = (size_t)(r0 + r);
+        w = uw[((size_t)h * rows + rr) * xw + dv + d];
+        q = qk[rr * QK + (size_t)hk * DK + d];
+        k = qk[rr * QK + (size_t)(Hk + hk) * DK + d];
+      }
+      Ws[idx] = w; Qs[idx] = q; Ks[idx] = k;
+    }
+    for (int idx = t; idx < CH * CH; idx += CB_THREADS) {
+      const int i = idx / CH, j = idx % CH;
+      Pm[idx] = i < m && j <= i ? pm[((size_t)h * rows + r0 + i) * CH + j] : 0.f;
+    }
+    for (int idx = t; idx < CH * CB_COLS; idx += CB_THREADS) {
+      const int r = idx / CB_COLS, cc = idx % CB_COLS;
+      Us[idx] = r < m ? uw[((size_t)h * rows + r0 + r) * xw + j0 + cc] : 0.f;
+    }
+    __syncthreads();
+    for (int idx = t; idx < CH * DK; idx += CB_THREADS) Ks[idx] = __fmul_rn(Ks[idx], el[idx / DK]);   // k exp(last - cum)
+    // v_new = u - w S: rows rg + NW * k of the block, column c
+    {
+      float acc[RR];
+#pragma unroll
+      for (int k = 0; k < RR; k++) acc[k] = 0.f;
+#pragma unroll 2
+      for (int i = 0; i < DK; i += 4) {
+        const float s0 = Ss[i * CB_COLS + c], s1 = Ss[(i + 1) * CB_COLS + c], s2 = Ss[(i + 2) * CB_COLS + c],
+                    s3 = Ss[(i + 3) * CB_COLS + c];
+#pragma unroll
+        for (int k = 0; k < RR; k++) {
+          const float4 w = *reinterpret_cast<const float4 *>(Ws + (rg + NW * k) * DK + i);
+          acc[k] = fmaf(w.x, s0, acc[k]); acc[k] = fmaf(w.y, s1, acc[k]);
+          acc[k] = fmaf(w.z, s2, acc[k]); acc[k] = fmaf(w.w, s3, acc[k]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < RR; k++) {
+        const int r = rg + NW * k;
+        Vn[r * CB_COLS + c] = __fsub_rn(Us[r * CB_COLS + c], acc[k]);
+      }
+    }
+    __syncthreads();
+    // o = exp(cum) (Q S) + P v_new
+    {
+      float aq[RR], ap[RR];
+#pragma unroll
+      for (int k = 0; k < RR; k++) aq[k] = ap[k] = 0.f;
+#pragma unroll 2
+      for (int i = 0; i < DK; i += 4) {
+        const float s0 = Ss[i * CB_COLS + c], s1 = Ss[(i + 1) * CB_COLS + c], s2 = Ss[(i + 2) * CB_COLS + c],
+                    s3 = Ss[(i + 3) * CB_COLS + c];
+#pragma unroll
+        for (int k = 0; k < RR; k++) {
+          const float4 q = *reinterpret_cast<const float4 *>(Qs + (rg + NW * k) * DK + i);
+          aq[k] = fmaf(q.x, s0, aq[k]); aq[k] = fmaf(q.y, s1, aq[k]);
+          aq[k] = fmaf(q.z, s2, aq[k]); aq[k] = fmaf(q.w, s3, aq[k]);
+        }
+      }
+#pragma unroll 2
+      for (int j = 0; j < CH; j += 4) {
+        const float v0 = Vn[j * CB_COLS + c], v1 = Vn[(j + 1) * CB_COLS + c], v2 = Vn[(j + 2) * CB_COLS + c],
+                    v3 = Vn[(j + 3) * CB_COLS + c];
+#pragma unroll
+        for (int k = 0; k < RR; k++) {
+          const float4 p = *reinterpret_cast<const float4 *>(Pm + (rg + NW * k) * CH + j);
+          ap[k] = fmaf(p.x, v0, ap[k]); ap[k] = fmaf(p.y, v1, ap[k]);
+          ap[k] = fmaf(p.z, v2, ap[k]); ap[k] = fmaf(p.w, v3, ap[k]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < RR; k++) {
+        const int r = rg + NW * k;
+        if (r < m) out[(size_t)(r0 + r) * os + (size_t)h * dv + j0 + c] = fmaf(ec[r], aq[k], ap[k]);
+      }
+    }
+    // S = exp(last) S + (K exp(last - cum))^T v_new: this thread's rows rg * NR .. + NR - 1
+    {
+      float acc[NR];
+#pragma unroll
+      for (int k = 0; k < NR; k++) acc[k] = 0.f;
+#pragma unroll 4
+      for (int r = 0; r < CH; r++) {
+        const float v = Vn[r * CB_COLS + c];
+        float kk[NR];
+        load_n<NR>(kk, Ks + r * DK + rg * NR);
+#pragma unroll
+        for (int k = 0; k < NR; k++) acc[k] = fmaf(kk[k], v, acc[k]);
+      }
+      const float e = el[CH];
+#pragma unroll
+      for (int k = 0; k < NR; k++) S[k] = fmaf(S[k], e, acc[k]);
+    }
+    __syncthreads();                                           // every read of Ss (v_new, o) is done
+#pragma unroll
+    for (int k = 0; k < NR; k++) Ss[(rg * NR + k) * CB_COLS + c] = S[k];
+  }
+#pragma unroll
+  for (int k = 0; k < NR; k++) st[(size_t)(rg * NR + k) * dv] = S[k];
+  for (int r = n + rg; r < rows; r += CB_THREADS / 32) out[(size_t)r * os + (size_t)h * dv + j0 + c] = 0.f;
 }

@@ -12,10 +12,21 @@ rounding:
 - "prefill" (a prompt chunk): gated_delta_prep_k (normalised q, k, exp(g), beta of every row, in
   parallel, into two scratch arrays shared by the executor's ops: `scratch(key, shape)`) then
   gated_delta_run_k (the recurrence alone, software-pipelined over rows, 8 columns per warp).
-  A chunked tensor-core form is the next step for long prompts (tools/bench_hybrid.py measures this).
+- "prefill", chunked (opt-in: `chunked=True` or BLOOMERY_GATED_DELTA_CHUNKED=1; not yet the
+  default: not measured on a GPU when written): the NumPy op's chunkwise WY form over blocks of 64
+  rows, float32 on the CUDA cores: prep, then gated_delta_plan_k (is the call one run? rows [0, n)
+  one slot with consecutive positions, rows [n, rows) inactive: decided on the device, the layout
+  being device data under one captured graph), then gated_delta_run_k (returns at once when the
+  call is one run: it handles every other layout), gated_delta_chunk_a_k (per block and v head:
+  the masked attentions, the triangular solve for u and w) and gated_delta_chunk_b_k (per 32
+  v columns and v head: the blocks in order, S in shared memory), both returning at once when the
+  call is not one run. Needs k_dim in {16, 32, 64, 128} and v_dim % 32 == 0 (else the token-by-
+  token path alone); scratch of rows * v_heads * (k_dim + v_dim + 65) floats.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -62,10 +73,47 @@ def kernel_name(ni: int, qw: int, pipe: bool) -> str:
     return f"gated_delta_{'run_' if pipe else ''}k<{ni}, {qw}>"
 
 
-def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = None, scratch=None) -> list:
+CHUNK = 64                               # rows per block of the chunked form (gated_delta.cu CH)
+CHUNK_DK = (16, 32, 64, 128)             # gated_delta_chunk_b_k instances
+CHUNK_COLS, CHUNK_THREADS = 32, 512      # gated_delta_chunk_b_k: v columns and threads per block
+
+
+def chunked_default() -> bool:
+    """Lever BLOOMERY_GATED_DELTA_CHUNKED (specs/levers.yaml; off: measured slower)."""
+    from bloomery.core import levers
+    return levers.flag("BLOOMERY_GATED_DELTA_CHUNKED", os.environ)
+
+
+def chunk_fits(dk: int, dv: int) -> bool:
+    return dk in CHUNK_DK and dv % CHUNK_COLS == 0 and max(chunk_smem(dk, dv)) <= 227 * 1024
+
+
+def chunk_smem(dk: int, dv: int) -> tuple[int, int]:
+    """Dynamic shared memory bytes of gated_delta_chunk_a_k and gated_delta_chunk_b_k."""
+    C = CHUNK
+    a = 2 * C * (dk + 1) + C * (dv + dk) + C * (C + 1) + 3 * C
+    b = 3 * C * dk + C * C + 2 * C * CHUNK_COLS + dk * CHUNK_COLS + 2 * C + 4   # ec [C], el [C + 1]
+    return 4 * a, 4 * b
+
+
+_ZERO: dict = {}
+
+
+def _zero_meta():
+    dev = cp.cuda.Device().id
+    if dev not in _ZERO:
+        _ZERO[dev] = cp.zeros(4, cp.int32)
+        cp.cuda.Device().synchronize()
+    return _ZERO[dev]
+
+
+def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = None, scratch=None,
+             chunked: bool | None = None) -> list:
     """The op's launches. qw: column quads per warp (default by mode, QW_OF_MODE); pipe: the prompt
     path (prep + pipelined recurrence; default: prefill mode); scratch(key, shape): a float32 device
-    array shared by the ops that ask for the same key (default: a new one)."""
+    array shared by the ops that ask for the same key (default: a new one); chunked: with pipe, the
+    chunkwise form whenever the call's rows are one run (decided on the device; default:
+    BLOOMERY_GATED_DELTA_CHUNKED, off)."""
     Hk, Hv, dk, dv = (int(op[k]) for k in ("k_heads", "v_heads", "k_dim", "v_dim"))
     qkv, a, b = bufs[op["qkv"]], bufs[op["a"]], bufs[op["b"]]
     pos, slot, state, out = bufs[op["pos"]], bufs[op["slot"]], bufs[op["state"]], bufs[op["out"]]
@@ -96,8 +144,35 @@ def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = 
     qk, gb = new("gated_delta.qk", (rows, 2 * Hk * dk)), new("gated_delta.gb", (rows, Hv, 2))
     prep = cu.kernel(STEM, "gated_delta_prep_k")
     pargs = (qkv, a, b, pos, A_log, dt, qk, gb, i32(Hk), i32(Hv), i32(dk), i32(dv), qscale)
-    rargs = (qkv, qk, gb, pos, slot, state, out, i32(rows), i32(nslots), i32(Hk), i32(Hv), i32(dk), i32(dv))
-    return [lambda: prep((rows,), (256,), pargs), lambda: kern(grid, block, rargs)]
+    chunked = chunked_default() if chunked is None else bool(chunked)
+    chunked = chunked and chunk_fits(dk, dv) and rows > 0
+    # chunked: this op's own meta, written by gated_delta_plan_k before any kernel reads it; else a zero
+    # one that gated_delta_run_k reads (made once, synchronised: the ops run on a non-blocking stream)
+    meta = cp.empty(4, cp.int32) if chunked else _zero_meta()
+    rargs = (qkv, qk, gb, pos, slot, state, out, i32(rows), i32(nslots), i32(Hk), i32(Hv), i32(dk), i32(dv), meta)
+    steps = [lambda: prep((rows,), (256,), pargs)]
+    if chunked:
+        plan = cu.kernel(STEM, "gated_delta_plan_k")
+        ka, kb = cu.kernel(STEM, "gated_delta_chunk_a_k"), cu.kernel(STEM, f"gated_delta_chunk_b_k<{dk}>")
+        sa, sb = chunk_smem(dk, dv)
+        for k_, n_ in ((ka, sa), (kb, sb)):         # one kernel object serves every op bound: never lower it
+            if k_.max_dynamic_shared_size_bytes < n_:
+                k_.max_dynamic_shared_size_bytes = n_
+        uw = new("gated_delta.uw", (Hv, rows, dv + dk))
+        pm = new("gated_delta.pm", (Hv, rows, CHUNK))
+        cg = new("gated_delta.cg", (Hv, rows))
+        plargs = (pos, slot, i32(rows), i32(nslots), meta)
+        aargs = (qkv, qk, gb, a, A_log, dt, meta, uw, pm, cg, i32(rows), i32(Hk), i32(Hv), i32(dk), i32(dv))
+        bargs = (qk, uw, pm, cg, meta, state, out, i32(rows), i32(Hk), i32(Hv), i32(dv))
+        ga, gbk = (-(-rows // CHUNK), Hv), (dv // CHUNK_COLS, Hv)
+        step_plan = lambda: plan((1,), (1024,), plargs)           # noqa: E731
+        step_plan.meta = meta            # {one run?, n, slot, first position} after it ran (tests read it)
+        steps.append(step_plan)
+        steps.append(lambda: kern(grid, block, rargs))
+        steps.append(lambda: ka(ga, (256,), aargs, shared_mem=sa))
+        steps.append(lambda: kb(gbk, (CHUNK_THREADS,), bargs, shared_mem=sb))
+        return steps
+    return steps + [lambda: kern(grid, block, rargs)]
 
 
 def state_bytes(op, active_slots: int) -> int:
