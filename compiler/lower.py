@@ -130,19 +130,31 @@ class _Decoder:
         if b + "attn_q_norm" in self.t:
             self.op("rmsnorm", x=q, weight=b + "attn_q_norm", out=q, eps=self.eps, group=hd)
             self.op("rmsnorm", x=k, weight=b + "attn_k_norm", out=k, eps=self.eps, group=hd)
-        self.op("rope", x=q, pos="positions", out=q, heads=self.heads, head_dim=hd, theta=self.theta,
-                **self.rope_extra)
-        self.op("rope", x=k, pos="positions", out=k, heads=self.kv_heads, head_dim=hd, theta=self.theta,
-                **self.rope_extra)
+        att = self.attend(bid, q, k, v)
+        self.project_out(att, b + "attn_output", h)
+
+    def attend(self, bid: int, q: str, k: str, v: str) -> str:
+        """Rope on q and k, then causal attention over the layer's KV cache (state kv.{bid}.k/v).
+        Returns the attention output buffer."""
+        hd = self.head_dim
+        for x, n in ((q, self.heads), (k, self.kv_heads)):
+            self.op("rope", x=x, pos="positions", out=x, heads=n, head_dim=hd, theta=self.theta, **self.rope_extra)
         cache = ["slots", "ctx", self.kv_heads, hd]
         ck = self.buf(f"kv.{bid}.k", cache, kind="state")
         cv = self.buf(f"kv.{bid}.v", cache, kind="state")
         att = self.rows("attn", self.heads * hd)
         self.op("attention", q=q, k=k, v=v, pos="positions", slot="slot_ids", cache_k=ck, cache_v=cv, out=att,
                 heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=1.0 / math.sqrt(hd))
-        o = self.linear(att, b + "attn_output", "o")
-        self.reduce(o)
-        self.op("add", a=h, b=o, out=h)
+        return att
+
+    def project_out(self, x: str, weight: str, h: str) -> None:
+        """The block's output projection (row-cut) into the residual h."""
+        self.residual(self.linear(x, weight, "o"), h)
+
+    def residual(self, x: str, h: str) -> None:
+        """h += x, x a row-parallel partial sum (all-reduced first at tp > 1)."""
+        self.reduce(x)
+        self.op("add", a=h, b=x, out=h)
 
     def ffn(self, bid: int, h: str) -> None:
         b = f"blk.{bid}."
@@ -152,8 +164,7 @@ class _Decoder:
             f = self.routed(xn, b, "moe_router", norm=self.norm_topk)
         else:
             f = self.mlp(xn, b)
-        self.reduce(f)
-        self.op("add", a=h, b=f, out=h)
+        self.residual(f, h)
 
     def mlp(self, xn: str, b: str, suffix: str = "") -> str:
         """SwiGLU MLP down(silu(gate x) * up x) of tensors ffn_{gate,up,down}{suffix}: the dense
@@ -229,8 +240,7 @@ class _Glm4Moe(_Decoder):
                             topk_group=self.topk_group, norm=self.norm_topk, scale=self.scale)
             s = self.mlp(xn, b, "_shexp")
             self.op("add", a=f, b=s, out=f)
-        self.reduce(f)
-        self.op("add", a=h, b=f, out=h)
+        self.residual(f, h)
 
 
 class _Qwen3Next(_Decoder):
@@ -288,9 +298,7 @@ class _Qwen3Next(_Decoder):
         self.op("gated_delta", qkv=qkv, a=alpha, b=beta, pos="positions", slot="slot_ids", state=ssm, out=o,
                 A_log=b + "ssm_a", dt_bias=b + "ssm_dt", k_heads=Hk, v_heads=Hv, k_dim=dk, v_dim=dv)
         self.op("rmsnorm_gated", x=o, gate=z, out=o, weight=b + "ssm_norm", eps=self.eps, group=dv)
-        out = self.linear(o, b + "ssm_out", "o")
-        self.reduce(out)
-        self.op("add", a=h, b=out, out=h)
+        self.project_out(o, b + "ssm_out", h)
 
     def gated_attention(self, bid: int, h: str) -> None:
         """Qwen3NextAttention: q_proj gives each head's [q | gate]; q/k norms per head, partial rope,
@@ -305,18 +313,9 @@ class _Qwen3Next(_Decoder):
         v = self.linear(xn, b + "attn_v", "v")
         self.norm(q, b + "attn_q_norm", q, hd)
         self.norm(k, b + "attn_k_norm", k, hd)
-        for x, n in ((q, self.heads), (k, self.kv_heads)):
-            self.op("rope", x=x, pos="positions", out=x, heads=n, head_dim=hd, theta=self.theta, **self.rope_extra)
-        cache = ["slots", "ctx", self.kv_heads, hd]
-        ck = self.buf(f"kv.{bid}.k", cache, kind="state")
-        cv = self.buf(f"kv.{bid}.v", cache, kind="state")
-        att = self.rows("attn", self.heads * hd)
-        self.op("attention", q=q, k=k, v=v, pos="positions", slot="slot_ids", cache_k=ck, cache_v=cv, out=att,
-                heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=1.0 / math.sqrt(hd))
+        att = self.attend(bid, q, k, v)
         self.op("sigmoid_mul", x=att, gate=gate, out=att)
-        o = self.linear(att, b + "attn_output", "o")
-        self.reduce(o)
-        self.op("add", a=h, b=o, out=h)
+        self.project_out(att, b + "attn_output", h)
 
     def moe_ffn(self, bid: int, h: str) -> None:
         """Qwen3NextSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate x) * shared_expert(x),
@@ -332,5 +331,4 @@ class _Qwen3Next(_Decoder):
             self.op("add", a=f, b=s, out=f)
         else:
             f = self.mlp(xn, b)
-        self.reduce(f)
-        self.op("add", a=h, b=f, out=h)
+        self.residual(f, h)

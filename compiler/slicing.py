@@ -52,12 +52,16 @@ def _check_segments(fmt: formats.Format, shape: tuple, segments, tp: int, where:
         raise FormatNotAllowed(f"{where}: a segments cut slices plain values ({', '.join(SEGMENT_FORMATS)}); "
                                f"this tensor is stored as {fmt.name}.")
     for i, (n, unit) in enumerate(segments):
-        if unit is None and n % tp:
-            raise TPNotDivisible(f"{where}: segment {i} of axis 0 ({n} of {shape[0]}) does not split into tp {tp} "
-                                 f"equal slices.")
-        if unit is not None and (n % unit or n // unit < tp):
-            raise TPNotDivisible(f"{where}: segment {i} of axis 0 ({n} of {shape[0]}) holds {n // unit} units of "
-                                 f"{unit}; tp {tp} needs at least one whole unit per rank.")
+        _check_units(f"{where}: segment {i} of axis 0 ({n} of {shape[0]})", n, tp, unit)
+
+
+def _check_units(what: str, n: int, tp: int, unit: int | None, hint: str = "") -> None:
+    """TPNotDivisible where `n` values (`what`) do not share out over tp ranks: evenly without a
+    unit, or in whole units with one at least per rank."""
+    if unit is None and n % tp:
+        raise TPNotDivisible(f"{what} does not split into tp {tp} equal slices.{hint}")
+    if unit is not None and (n % unit or n // unit < tp):
+        raise TPNotDivisible(f"{what} holds {n // unit} units of {unit}; tp {tp} needs at least one whole unit per rank.")
 
 
 def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where: str,
@@ -74,12 +78,7 @@ def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where:
     axis = AXIS[cut] if len(shape) > 1 else -1         # a 1-D column cut: its only axis (a bias's rows)
     n = shape[axis]
     side = "in (columns)" if cut == "row" else "out (rows)"
-    if unit is None and n % tp:
-        raise TPNotDivisible(f"{where}: {fmt.name} axis {side} of length {n} does not split into tp {tp} "
-                             f"equal slices. Use a tp that divides {n}.")
-    if unit is not None and (n % unit or n // unit < tp):
-        raise TPNotDivisible(f"{where}: {fmt.name} axis {side} of length {n} holds {n // unit} units of {unit}; "
-                             f"tp {tp} needs at least one whole unit per rank.")
+    _check_units(f"{where}: {fmt.name} axis {side} of length {n}", n, tp, unit, f" Use a tp that divides {n}.")
     block = fmt.cut_unit(axis)
     why = "the format's block"
     if fmt.name == "nvfp4" and axis == -1 and n % nvfp4.GGML_BLOCK == 0:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bloomery.tools import dequant, gates, models
+from test_formats import _mo          # torch and ModelOpt's qtensor module, or a skip with the reason
 
 torch = pytest.importorskip("torch")
 
@@ -46,11 +47,6 @@ def test_oracle_imports_nothing_of_bloomerys_decoders():
 # --------------------------------------------------------------------------- against ModelOpt
 
 
-def _mo():
-    return pytest.importorskip("modelopt.torch.quantization.qtensor",
-                               reason="nvidia-modelopt not installed: ModelOpt comparison skipped")
-
-
 def _bits(t: torch.Tensor) -> np.ndarray:
     return (t.to(torch.float32) + 0.0).numpy().view(np.int32)      # -0 and +0 compare equal
 
@@ -78,7 +74,7 @@ def test_dequant_matches_modelopt_on_real_exports(name):
     computes e2m1 * (e4m3 * scale_2), two roundings, where the oracle takes the exact product
     rounded once; so with scale_2 = 1 (both exact) they agree bit for bit, and with the stored
     scale_2 they differ by at most 1 ulp, only where |e2m1| is 1.5, 3 or 6."""
-    qt = _mo()
+    _, qt = _mo()
     mods, block = _modules(need(name))
     seen = set()
     for pre, p in sorted(mods.items()):

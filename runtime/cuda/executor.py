@@ -434,15 +434,20 @@ class CudaExecutor:
         kern, args = self.k["argmax_k"], (x, out, np.int32(x.shape[-1]))
         return [lambda: kern((rows,), (1024,), args)]
 
-    def _op_moe_router(self, op, bufs, rows, prog):
+    def _router_logits(self, op, bufs, rows, prog):
+        """The router's logits x @ weight.T into a scratch [rows, experts], float32 and exact (the
+        expert choice is never rounded): (logits, launches)."""
         lin = self.w.linear(op["weight"])
-        E, k = lin.out, int(op["top_k"])
-        lg = self._scratch((rows, E))
-        steps = self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
-        kern = self.k["moe_topk_k"]
-        args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
+        lg = self._scratch((rows, lin.out))
         if prog == "decode":
             self.decode_bytes += lin.nbytes
+        return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
+
+    def _op_moe_router(self, op, bufs, rows, prog):
+        lg, steps = self._router_logits(op, bufs, rows, prog)
+        E, k = lg.shape[1], int(op["top_k"])
+        kern = self.k["moe_topk_k"]
+        args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
         return steps + [lambda: kern((rows,), (32,), args, shared_mem=4 * E)]
 
     def _op_moe_experts(self, op, bufs, rows, prog, acc=None):
@@ -487,12 +492,7 @@ class CudaExecutor:
         return steps
 
     def _op_moe_router_grouped(self, op, bufs, rows, prog):
-        lin = self.w.linear(op["weight"])
-        E = lin.out
-        lg = self._scratch((rows, E))
-        steps = self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)     # expert choice: never rounded
-        if prog == "decode":
-            self.decode_bytes += lin.nbytes
+        lg, steps = self._router_logits(op, bufs, rows, prog)
         return steps + MRG.launches(op, lg, self.w.vector(op["bias"]), bufs[op["ids"]], bufs[op["weights"]], rows)
 
     # -- the hybrid families' ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py -------
