@@ -39,6 +39,7 @@ SCALE_PARTS = {
 }
 KV_SCALES = ("k_scale", "v_scale")
 PLAIN_FORMATS = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL")
 QUANTIZED_STORAGE = {"U8", "F8_E4M3", "F8_E5M2", "I8"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -82,6 +83,7 @@ class Checkpoint:
     shards: dict[str, Shard]
     tensors: dict[str, QuantTensor]
     kv_scales: dict[str, StoredTensor] = field(default_factory=dict)
+    integers: dict[str, StoredTensor] = field(default_factory=dict)   # I64 / I32 / ... tensors (not weights)
 
     @classmethod
     def open(cls, folder) -> "Checkpoint":
@@ -95,11 +97,11 @@ class Checkpoint:
         config = quant_config.read_json(cfg_path)
         quant = quant_config.load(folder, config)
         shards, stored = _open_shards(folder)
-        tensors, kv = _group(stored, quant)
+        tensors, kv, ints = _group(stored, quant)
         if quant.kv_cache_quant_algo and not kv:
             raise MissingScale(f"{quant.source}: kv_cache_quant_algo {quant.kv_cache_quant_algo} but no "
                                "k_scale/v_scale tensor is stored.")
-        return cls(folder, config, quant, shards, tensors, kv)
+        return cls(folder, config, quant, shards, tensors, kv, ints)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per format: tensor count, elements and bytes (scales folded into their weight)."""
@@ -167,7 +169,9 @@ def _check_kv_scale(t: StoredTensor) -> None:
         raise NegativeScale(f"{t.shard.path}: KV cache scale {t.name!r} is {v} (must be >= 0).")
 
 
-def _group(stored: dict[str, StoredTensor], quant) -> tuple[dict[str, QuantTensor], dict[str, StoredTensor]]:
+def _group(stored: dict[str, StoredTensor], quant):
+    """(QuantTensors by weight name, KV-cache scales, integer tensors): the integer tensors
+    (qwen4_exp's n-gram hash buffers) are not weights; the spec says what each one is."""
     weights: dict[str, StoredTensor] = {}
     scales: dict[str, dict[str, StoredTensor]] = {}
     kv: dict[str, StoredTensor] = {}
@@ -198,7 +202,7 @@ def _group(stored: dict[str, StoredTensor], quant) -> tuple[dict[str, QuantTenso
         found = scales.get(module, {})
         fmt_name = quant.format_for(module)
         where = f"{w.shard.path}: tensor {w.name!r}"
-        if fmt_name is None or (not found and w.dtype in PLAIN_FORMATS and module not in quant.quantized_layers):
+        if fmt_name is None or (not found and w.dtype in PLAIN_FORMATS and quant.layer_entry(module) is None):
             # Not quantized by the config (or a non-Linear weight such as a norm or an embedding).
             if found:
                 why = (f"excluded by pattern {quant.excluded_by(module)!r}" if quant.excluded_by(module)
@@ -225,9 +229,13 @@ def _group(stored: dict[str, StoredTensor], quant) -> tuple[dict[str, QuantTenso
         qt = QuantTensor(w.name, fmt, sources)
         fmt.check(qt.parts, where)
         out[w.name] = qt
+    ints: dict[str, StoredTensor] = {}
     for t in plain:
+        if t.dtype in INTEGER_DTYPES:
+            ints[t.name] = t
+            continue
         if t.dtype not in PLAIN_FORMATS:
             raise UnsupportedDtype(f"{t.shard.path}: tensor {t.name!r} has dtype {t.dtype}; bloomery reads "
                                    "BF16/F16/F32 for tensors that are not quantized weights.")
         out[t.name] = QuantTensor(t.name, formats.get(PLAIN_FORMATS[t.dtype]), {"weight": t})
-    return out, kv
+    return out, kv, ints

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bloomery.core.errors import MissingTensor, SpecError, UnknownTensor
+import numpy as np
+
+from bloomery.core.errors import ConstantMismatch, MissingTensor, SpecError, UnknownTensor
 from bloomery.core.specs import Spec, TensorRule
 
 
@@ -16,7 +18,7 @@ class Slot:
     rule: TensorRule
     bid: int | None
     name: str
-    hf: tuple          # HF names, one per expert when stacked
+    hf: tuple          # HF names, one per expert when stacked (per shard when joined)
     env: dict          # the values its expressions see (config, layer values, bid)
 
 
@@ -39,7 +41,9 @@ def _expected(spec: Spec, values: dict) -> tuple[list[Slot], dict]:
         if r.when is not None and not r.when(env):
             continue
         xids = range(int(r.experts(env))) if r.experts is not None else [None]
-        hf = tuple(r.hf.replace("{bid}", str(b)).replace("{xid}", str(x)) for x in xids)
+        sids = range(int(r.shards(env))) if r.shards is not None else [None]
+        hf = tuple(r.hf.replace("{bid}", str(b)).replace("{xid}", str(x)).replace("{sid}", str(i))
+                   for x in xids for i in sids)
         slot = Slot(r, b if r.per_layer else None, r.name.replace("{bid}", str(b)), hf, env)
         for h in hf:
             if h in by_hf:
@@ -78,7 +82,36 @@ def _why_unknown(spec: Spec, values: dict, name: str) -> str:
         return f"template {r.hf!r} applies only when {r.when.text}, which is false here"
     if g.get("xid") is not None:
         return f"expert {g['xid']} is beyond the {int(r.experts(env))} experts of config.json"
+    if g.get("sid") is not None:
+        return f"shard {g['sid']} is beyond the {int(r.shards(env))} shards the table is written in"
     return f"template {r.hf!r} does not expect it"   # not reached for a well-formed spec
+
+
+def check_constants(spec: Spec, values: dict, ints: dict, where: str) -> None:
+    """Every integer tensor (name as the spec spells it -> StoredTensor) is a constant of the spec
+    holding exactly the values its rule computes, or ignored; ConstantMismatch / UnknownTensor."""
+    for n, t in sorted(ints.items()):
+        for c in spec.constants:
+            m = c.pattern.match(n)
+            if not m:
+                continue
+            env = values if m.groupdict().get("bid") is None else spec.layer_values(values, int(m["bid"]))
+            if c.when is not None and not c.when(env):
+                continue
+            want = np.asarray(c.value(env), dtype=np.int64).reshape(-1)
+            got = np.asarray(t.array()).astype(np.int64).reshape(-1)
+            if got.shape != want.shape or not np.array_equal(got, want):
+                raise ConstantMismatch(f"{t.shard.path}: tensor {t.name!r} ({t.dtype} {list(t.shape)}) holds "
+                                       f"{got.tolist()[:8]}{' ...' if got.size > 8 else ''}; the {spec.family} "
+                                       f"spec computes {want.tolist()[:8]}{' ...' if want.size > 8 else ''} = "
+                                       f"{c.value.text} from config.json. The config and the weights disagree; "
+                                       f"nothing was written.")
+            break
+        else:
+            if not _ignored(spec, values, n):
+                raise UnknownTensor(f"{where}: tensor {t.name!r} is stored as {t.dtype} {list(t.shape)}, an integer "
+                                    f"tensor the {spec.family} spec ({spec.path.name}) does not read. Nothing was "
+                                    f"written.")
 
 
 def match(spec: Spec, values: dict, names, where: str) -> list[Slot]:

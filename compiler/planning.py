@@ -24,12 +24,12 @@ import numpy as np
 
 from bloomery.compiler import slicing
 from bloomery.compiler.checkpoint import PLAIN_FORMATS, QuantTensor
-from bloomery.compiler.matching import Slot, match
+from bloomery.compiler.matching import Slot, check_constants, match
 from bloomery.compiler.planned import PlannedTensor, RankPlan
 from bloomery.compiler.shard import StoredTensor
 from bloomery.core import formats, levers, specs
-from bloomery.core.errors import (FormatNotAllowed, LeverConflict, MixedExpertFormats, TensorShapeMismatch,
-                                  TPNotDivisible)
+from bloomery.core.errors import (DuplicateTensor, FormatNotAllowed, LeverConflict, MixedExpertFormats,
+                                  TensorShapeMismatch, TPNotDivisible)
 
 Q8_LEVER = "BLOOMERY_PREPARE_Q8"
 
@@ -56,6 +56,8 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
     for c in spec.tp_checks:
         c.run({**values, "tp": tp}, f"{where}: --tp {tp}")
     tensors = {**ckpt.tensors, **{n: _plain(t) for n, t in ckpt.kv_scales.items()}}
+    tensors = _canonical(spec, tensors, where)
+    check_constants(spec, values, _canonical(spec, ckpt.integers, where), where)
     slots = match(spec, values, tensors, where)
     roles = specs.load_roles()
     rows = [_tensor_rows(ckpt.folder, tensors, s, roles.roles[s.rule.role], tp, q8) for s in slots]
@@ -65,9 +67,24 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
                                  shape=_rank_shape(shape, s.rule.cut, tp, rank, unit),
                                  optional=optional, sources=s.hf, cut=s.rule.cut,
                                  produce=slicing.producer(fmt, qts, s.rule.cut, rank, tp, s.rule.experts is not None,
-                                                          fmt_out != fmt.name, f"{where}: {s.name}", shape == (1,), unit))
+                                                          fmt_out != fmt.name, f"{where}: {s.name}", shape == (1,), unit,
+                                                          joined=s.rule.shards is not None))
                    for s, (fmt, fmt_out, shape, optional, qts, unit) in zip(slots, rows)]
         out.append(RankPlan(rank, tp, planned, _metadata(ckpt, spec, values, tp, rank, q8)))
+    return out
+
+
+def _canonical(spec, tensors: dict, where: str) -> dict:
+    """Stored name -> tensor, renamed as the spec's templates spell them (its aliases)."""
+    if not spec.aliases:
+        return tensors
+    out = {}
+    for n, t in tensors.items():
+        c = spec.canonical(n)
+        if c in out:
+            raise DuplicateTensor(f"{where}: tensors {n!r} and {out[c].name!r} are both {c!r} to the {spec.family} "
+                                  f"spec ({spec.path.name}'s aliases); a checkpoint holds one of them.")
+        out[c] = t
     return out
 
 
@@ -87,7 +104,9 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
                                      f"{qts[0].name!r} is {fmt.name} with parts {sorted(qts[0].sources)} and "
                                      f"{qt.name!r} is {qt.format.name} with parts {sorted(qt.sources)}.")
     want = tuple(int(e(s.env)) for e in s.rule.shape)
-    for qt in qts:
+    if s.rule.shards is not None:
+        _check_shards(s, qts, fmt, want)
+    for qt in ([] if s.rule.shards is not None else qts):
         if tuple(qt.shape) != want and not (want == (1,) and int(np.prod(qt.shape)) == 1):   # [1]: one value
             exprs = ", ".join(e.text for e in s.rule.shape)
             raise TensorShapeMismatch(f"{qt.where()}: artifact tensor {s.name!r} (role {s.rule.role}, {fmt.name}) "
@@ -111,6 +130,24 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
         optional = ()
     shape = (len(qts), *want) if s.rule.experts is not None else want
     return fmt, out_fmt, shape, optional, qts, unit
+
+
+def _check_shards(s: Slot, qts: list, fmt, want: tuple) -> None:
+    """The pieces of a sharded table: plain values, torch.chunk's lengths along axis 0, the rest of `want`."""
+    from bloomery.core import ngram
+
+    if fmt.name not in slicing.SEGMENT_FORMATS:
+        raise FormatNotAllowed(f"{qts[0].where()}: artifact tensor {s.name!r} joins {len(qts)} stored shards, which "
+                               f"bloomery joins in plain formats ({', '.join(slicing.SEGMENT_FORMATS)}); this one is "
+                               f"stored as {fmt.name}.")
+    lengths = ngram.chunks(want[0], len(qts)) if len(qts) > 1 else [want[0]]
+    exprs = ", ".join(e.text for e in s.rule.shape)
+    for qt, n in zip(qts, lengths + [0] * len(qts)):
+        if tuple(qt.shape) != (n, *want[1:]):
+            raise TensorShapeMismatch(f"{qt.where()}: shard of artifact tensor {s.name!r} (role {s.rule.role}) has "
+                                      f"shape {list(qt.shape)}; the {s.rule.hf!r} template joins {len(qts)} shards "
+                                      f"of {list(want)} = [{exprs}] from config.json, so this one should be "
+                                      f"{[n, *want[1:]]}.")
 
 
 def _rank_shape(shape: tuple, cut: str, tp: int, rank: int, unit: int | None) -> tuple:

@@ -51,10 +51,21 @@ class QuantConfig:
     def algo_for(self, module: str) -> str | None:
         """The quant_algo a module's weight is stored in, per the config (None: not quantized)."""
         if self.quant_algo == "MIXED_PRECISION":
-            return self.quantized_layers.get(module)
+            return self.quantized_layers.get(self.layer_entry(module))
         if self.quant_algo is None or self.excluded_by(module):
             return None
         return self.quant_algo
+
+    def layer_entry(self, module: str) -> str | None:
+        """The quantized_layers entry covering a module: its own, else the nearest parent's
+        (ModelOpt writes one entry `model.layers.N.mlp.experts` for the per-expert weights
+        below it)."""
+        parts = module.split(".")
+        for i in range(len(parts), 0, -1):
+            name = ".".join(parts[:i])
+            if name in self.quantized_layers:
+                return name
+        return None
 
     def excluded_by(self, module: str) -> str | None:
         """The exclude pattern that matches a module, if any."""

@@ -107,8 +107,10 @@ def _unit_shape(a: np.ndarray) -> np.ndarray:
 
 
 def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, stacked: bool,
-             q8: bool, where: str, scalar: bool = False, unit: int | None = None) -> Callable[[], dict]:
-    """This rank's parts, produced when called. `experts` are QuantTensors (one unless stacked)."""
+             q8: bool, where: str, scalar: bool = False, unit: int | None = None,
+             joined: bool = False) -> Callable[[], dict]:
+    """This rank's parts, produced when called. `experts` are QuantTensors (one unless stacked, or
+    joined: the shards of one table, concatenated along axis 0)."""
     axis = AXIS.get(cut)
 
     def one(qt) -> dict:
@@ -123,7 +125,9 @@ def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, s
         return fmt.cut(parts, ax, start, stop, where)
 
     def produce() -> dict:
-        if not stacked:
+        if joined:
+            out = {k: np.concatenate([qt.parts[k] for qt in experts]) for k in experts[0].parts}
+        elif not stacked:
             out = one(experts[0])
         else:
             out = {}

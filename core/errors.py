@@ -150,6 +150,10 @@ class TensorShapeMismatch(PlanError):
     """A tensor's logical shape differs from the one the spec computes from config.json."""
 
 
+class ConstantMismatch(PlanError):
+    """A stored tensor whose values the config determines (qwen4_exp's n-gram hash buffers) holds others."""
+
+
 class MixedExpertFormats(PlanError):
     """The experts stacked into one artifact tensor are stored in different formats."""
 

@@ -44,6 +44,8 @@ class OpSig:
     attrs: tuple[str, ...] = ()
     optional: tuple[str, ...] = ()       # attrs that may be absent
     collective: bool = False
+    opt_reads: tuple[str, ...] = ()      # buffers read when the key is present (attention's `select`)
+    host: bool = False                   # runs on the host before the device step (the PLE gather)
 
 
 OPS: dict[str, OpSig] = {
@@ -54,30 +56,56 @@ OPS: dict[str, OpSig] = {
     "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta"),
                   optional=("rotary_dim",)),
     "attention": OpSig(reads=("q", "k", "v", "pos", "slot"), writes=("out",), state=("cache_k", "cache_v"),
-                       attrs=("heads", "kv_heads", "head_dim", "scale", "mode")),
-    "swiglu": OpSig(reads=("gate", "up"), writes=("out",)),
+                       attrs=("heads", "kv_heads", "head_dim", "scale", "mode"), opt_reads=("select",)),
+    "swiglu": OpSig(reads=("gate", "up"), writes=("out",), optional=("limit",)),
     "add": OpSig(reads=("a", "b"), writes=("out",)),
     "moe_router": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight",), attrs=("top_k", "norm")),
     # GLM-4.5's sigmoid router: correction bias for the choice, group-limited top-k, scaled weights
     "moe_router_grouped": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight", "bias"),
                                 attrs=("top_k", "n_group", "topk_group", "norm", "scale")),
     "moe_experts": OpSig(reads=("x", "ids", "weights"), writes=("out",), weights=("gate", "up", "down"),
-                         attrs=("experts", "top_k")),
+                         attrs=("experts", "top_k"), optional=("limit",)),
     "logits": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("vocab",), optional=("rows",)),
     "argmax": OpSig(reads=("x",), writes=("out",)),
     "all_reduce": OpSig(reads=("x",), writes=("out",), collective=True),
     "all_gather": OpSig(reads=("x",), writes=("out",), attrs=("sizes",), collective=True),
     # the gated delta net (Qwen3-Next's linear attention); states are per slot, like the KV cache
     "causal_conv1d": OpSig(reads=("x", "pos", "slot"), writes=("out",), state=("state",), weights=("weight",),
-                           attrs=("kernel",)),
+                           attrs=("kernel",), optional=("dilation", "channels")),
     "gated_delta": OpSig(reads=("qkv", "a", "b", "pos", "slot"), writes=("out",), state=("state",),
                          weights=("A_log", "dt_bias"), attrs=("k_heads", "v_heads", "k_dim", "v_dim", "mode"),
                          optional=("chunk",)),
-    "rmsnorm_gated": OpSig(reads=("x", "gate"), writes=("out",), weights=("weight",), attrs=("eps", "group")),
+    "rmsnorm_gated": OpSig(reads=("x", "gate"), writes=("out",), weights=("weight",), attrs=("eps", "group"),
+                           optional=("act",)),
     # layout and gating helpers of the hybrid families
     "split_groups": OpSig(reads=("x",), writes=("out", "rest"), attrs=("groups", "widths", "split")),
     "sigmoid_mul": OpSig(reads=("x", "gate"), writes=("out",)),
     "bias_add": OpSig(reads=("x",), writes=("out",), weights=("bias",)),
+    # --- qwen4_exp (hyper-connections, PLE, QSA indexer): docs/flagships.md
+    "hc_expand": OpSig(reads=("x",), writes=("out",), attrs=("n",)),
+    "hc_gate_mix": OpSig(reads=("xn", "w"), writes=("out",), attrs=("n",)),
+    "act_scale": OpSig(reads=("x",), writes=("out",), attrs=("act", "scale"), optional=("mul",)),
+    "hc_inject": OpSig(reads=("x", "y", "w"), writes=("out",), attrs=("n",)),
+    "ngram_hash": OpSig(reads=("tokens", "pos", "slot"), writes=("ids",), state=("ctx",),
+                        attrs=("ngram_size", "heads_per_ngram", "eos", "multipliers", "sizes", "offsets"), host=True),
+    "host_embed": OpSig(reads=("ids",), writes=("out",), weights=("table",), attrs=("heads",), host=True),
+    "ple_gate": OpSig(reads=("kn", "qn", "v"), writes=("out",), attrs=("n",)),
+    "qsa_index": OpSig(reads=("q", "k", "pos", "slot"), writes=("sel",), state=("cache",), weights=("k_norm",),
+                       attrs=("heads", "head_dim", "ratio", "budget", "theta", "rotary_dim", "eps", "offset")),
+    # --- glm5_next (mHC, KDA, MLA, DSA indexer): docs/flagships.md
+    "mhc_weights": OpSig(reads=("z", "x"), writes=("pre", "post", "comb"), weights=("base", "scale"),
+                         attrs=("n", "iters", "hc_eps", "eps")),
+    "hc_collapse": OpSig(reads=("x", "w"), writes=("out",), attrs=("n",)),
+    "hc_mean": OpSig(reads=("x",), writes=("out",), attrs=("n",)),
+    "mhc_inject": OpSig(reads=("x", "y", "post", "comb"), writes=("out",), attrs=("n",)),
+    "kda": OpSig(reads=("q", "k", "v", "g", "b", "pos", "slot"), writes=("out",), state=("state",),
+                 weights=("A_log", "dt_bias"), attrs=("heads", "head_dim", "lower_bound", "mode"),
+                 optional=("chunk",)),
+    "layernorm": OpSig(reads=("x",), writes=("out",), weights=("weight", "bias"), attrs=("eps", "group")),
+    "dsa_index": OpSig(reads=("q", "k", "gs", "hw", "pos", "slot"), writes=("sel",), state=("cache",),
+                       weights=("ape",), attrs=("heads", "head_dim", "topk", "kpool", "tail")),
+    "mla_attention": OpSig(reads=("q", "c", "pos", "slot"), writes=("out",), state=("cache",), weights=("kv_b",),
+                           attrs=("heads", "nope_dim", "v_dim", "scale", "mode"), opt_reads=("sel",)),
 }
 
 
@@ -97,7 +125,7 @@ def loads(text: str, where: str = "plan") -> dict:
 
 def buffers_of(op: dict) -> list[str]:
     sig = OPS[op["op"]]
-    return [op[k] for k in (*sig.reads, *sig.state, *sig.writes)]
+    return [op[k] for k in (*sig.reads, *(k for k in sig.opt_reads if k in op), *sig.state, *sig.writes)]
 
 
 def validate(plan: dict, where: str = "plan") -> None:
@@ -122,7 +150,8 @@ def validate(plan: dict, where: str = "plan") -> None:
                 raise PlanInvalid(f"{at}: unknown op; this runtime knows {', '.join(OPS)}")
             need = (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.attrs)
             missing = [k for k in need if k not in op]
-            extra = [k for k in op if k != "op" and k not in need and k not in sig.optional]
+            extra = [k for k in op if k != "op" and k not in need and k not in sig.optional
+                     and k not in sig.opt_reads]
             if missing or extra:
                 raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
             for b in buffers_of(op):

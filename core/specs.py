@@ -38,7 +38,20 @@ A spec file holds:
                            NextN embed_tokens / shared_head.head, which some releases drop)
                     experts expression: the expert count; the {xid} tensors of a layer are
                            stacked as [expert, out, in] (the role's kind must be `experts`)
-    ignore        [{hf, when?}]: checkpoint tensors that are read by nothing
+                    shards expression: the shard count; the {sid} tensors are the torch.chunk
+                           pieces of one table along axis 0 (how save_pretrained writes
+                           qwen4_exp's n-gram tables) and are joined into one artifact tensor
+                           of `shape`, values as stored (plain formats, replicated)
+    constants     [{hf, value, when?}]: integer tensors whose values the config determines
+                  (qwen4_exp's n-gram hash buffers): read and compared with `value` at
+                  prepare (ConstantMismatch naming the tensor), not written to the artifact
+    ignore        [{hf, when?}]: checkpoint tensors that are read by nothing ({any} in hf: any
+                  name part, e.g. a vision tower's "model.visual.{any}")
+    aliases       optional {stored prefix: hf prefix}, applied in order: a tensor whose name
+                  starts with the first is read as if it started with the second ({bid} in
+                  both: the layer). One checkpoint layout read as another: qwen4_exp's
+                  model.language_model. for model., glm5_next's module names as ModelOpt
+                  writes them (attn_hc.fn) for the names save_pretrained writes (hc_attn_fn)
 
 Implicit values (set by the planner from the checkpoint, not config.json): kv_cache_quant,
 true when the quantization config stores KV-cache scales (k_scale / v_scale); mtp, true when
@@ -47,8 +60,11 @@ the checkpoint stores tensors under `mtp.` (a multi-token-prediction layer, Qwen
 Expressions are Python expression syntax restricted to names, numbers, strings, lists,
 arithmetic, comparisons, `in`, and/or/not, `a if c else b`, indexing (`layer_types[bid]`) and
 calls of `share(n, tp, rank)` (rank's count when n units are shared out over tp ranks, as a
-`unit` cut does), `len(xs)` and `outside(xs, allowed)` (the items of xs not in allowed); every
-name must be one the context defines (checked at load).
+`unit` cut does), `len(xs)`, `outside(xs, allowed)` (the items of xs not in allowed),
+`index(xs, x)` (x's position in xs, -1 when absent), `first(x)` (a list's first item, else x), `chunks(n, parts)` (how many pieces
+torch.chunk gives) and `ngram(vocab, ngram_size, heads_per_ngram, base, seed, layer_index,
+divisor)` (core/ngram.tables as a dict: multipliers, sizes, offsets, rows); every name must be
+one the context defines (checked at load).
 """
 
 from __future__ import annotations
@@ -95,7 +111,32 @@ def outside(xs, allowed) -> list:
     return [x for x in xs if x not in allowed]
 
 
-FUNCS = {"share": share, "len": len, "outside": outside}
+def index(xs, x) -> int:
+    """x's position in xs, -1 when absent."""
+    return list(xs).index(x) if x in xs else -1
+
+
+def _ngram(vocab, ngram_size, heads_per_ngram, base, seed, layer_index, divisor) -> dict:
+    from . import ngram
+
+    t = ngram.tables(int(vocab), int(ngram_size), int(heads_per_ngram), int(base), int(seed), int(layer_index),
+                     int(divisor))
+    return {"multipliers": list(t.multipliers), "sizes": list(t.sizes), "offsets": list(t.offsets), "rows": t.rows}
+
+
+def _chunks(n, parts) -> int:
+    from . import ngram
+
+    return len(ngram.chunks(int(n), int(parts)))
+
+
+def first(x):
+    """x's first item when x is a list (config.json's eos_token_id may be one), else x."""
+    return x[0] if isinstance(x, list) and x else x
+
+
+FUNCS = {"share": share, "len": len, "outside": outside, "index": index, "ngram": _ngram, "chunks": _chunks,
+         "first": first}
 
 
 @dataclass(frozen=True)
@@ -203,6 +244,7 @@ class TensorRule:
     unit: Expr | None = None  # the cut's granularity (logical elements); None: equal slices
     segments: tuple | None = None   # cut segments: ((length Expr, unit Expr | None), ...) along axis 0
     required: bool = True     # False: the checkpoint may leave it out
+    shards: Expr | None = None      # the {sid} pieces of one table, joined along axis 0
 
     @property
     def per_layer(self) -> bool:
@@ -212,6 +254,14 @@ class TensorRule:
 @dataclass(frozen=True)
 class IgnoreRule:
     hf: str
+    when: Expr | None
+    pattern: re.Pattern
+
+
+@dataclass(frozen=True)
+class ConstantRule:
+    hf: str
+    value: Expr
     when: Expr | None
     pattern: re.Pattern
 
@@ -247,6 +297,16 @@ class Spec:
     rank_metadata: dict
     tensors: tuple            # of TensorRule
     ignore: tuple             # of IgnoreRule
+    constants: tuple = ()     # of ConstantRule
+    aliases: tuple = ()       # ((stored prefix regex, hf prefix template), ...)
+
+    def canonical(self, name: str) -> str:
+        """A stored tensor name as the spec's templates spell it (its aliases applied in order)."""
+        for rx, hf in self.aliases:
+            m = rx.match(name)
+            if m:
+                name = hf.replace("{bid}", m.groupdict().get("bid") or "") + name[m.end():]
+        return name
 
     def values(self, config: dict, where: str = "config.json", implicit: dict | None = None) -> dict:
         """The spec's config values from a config.json dict (plus the implicit values), then its
@@ -286,9 +346,10 @@ def _lookup(config: dict, key: str):
 # --- loading ----------------------------------------------------------------------------
 
 _FIELDS = {"family", "serves", "gguf_arch", "config", "layers", "layer", "checks", "tp_checks",
-           "metadata", "rank_metadata", "tensors", "ignore"}
+           "metadata", "rank_metadata", "tensors", "ignore", "constants", "aliases"}
 _REQUIRED = {"family", "serves", "gguf_arch", "config", "layers", "metadata", "tensors"}
-_TENSOR_FIELDS = {"hf", "name", "role", "shape", "cut", "when", "experts", "unit", "segments", "required"}
+_TENSOR_FIELDS = {"hf", "name", "role", "shape", "cut", "when", "experts", "unit", "segments", "required",
+                  "shards"}
 
 
 def _read(path: Path) -> Any:
@@ -315,8 +376,9 @@ def _fields(obj: dict, allowed: set, required: set, where: str) -> None:
 
 
 def _template_regex(t: str) -> re.Pattern:
-    parts = re.split(r"(\{bid\}|\{xid\})", t)
-    rx = "".join({"{bid}": r"(?P<bid>\d+)", "{xid}": r"(?P<xid>\d+)"}.get(p, re.escape(p)) for p in parts)
+    parts = re.split(r"(\{bid\}|\{xid\}|\{sid\}|\{any\})", t)
+    rx = "".join({"{bid}": r"(?P<bid>\d+)", "{xid}": r"(?P<xid>\d+)", "{sid}": r"(?P<sid>\d+)",
+                  "{any}": r".+"}.get(p, re.escape(p)) for p in parts)
     return re.compile(rx + r"\Z")
 
 
@@ -396,8 +458,13 @@ def _tensor(row, where: str, known, layer_known, roles: Roles) -> TensorRule:
     required = row.get("required", True)
     if not isinstance(required, bool):
         raise SpecError(f"{where}: required must be true or false, found {required!r}")
+    shards = expr(row["shards"], f"{where}.shards", k) if "shards" in row else None
+    if (shards is not None) != ("{sid}" in hf) or "{sid}" in name:
+        raise SpecError(f"{where}: `shards` goes with {{sid}} in hf ({hf!r}) and not in name ({name!r})")
+    if shards is not None and (row["cut"] != "replicated" or kind.stacked):
+        raise SpecError(f"{where}: a sharded table is joined whole: cut replicated, not {row['cut']}")
     return TensorRule(hf, name, role, kind.name, shape, row["cut"], when, experts, _template_regex(hf), unit,
-                      segments, required)
+                      segments, required, shards)
 
 
 def load(path) -> Spec:
@@ -434,6 +501,20 @@ def load(path) -> Spec:
         hf = _need(r["hf"], str, iw, "hf")
         k = layer_known if "{bid}" in hf else known
         ignore.append(IgnoreRule(hf, expr(r["when"], f"{iw}.when", k) if "when" in r else None, _template_regex(hf)))
+    constants = []
+    for i, r in enumerate(_need(raw.get("constants") or [], list, w, "constants")):
+        cw = f"{w}: constants[{i}]"
+        _fields(r, {"hf", "value", "when"}, {"hf", "value"}, cw)
+        hf = _need(r["hf"], str, cw, "hf")
+        k = layer_known if "{bid}" in hf else known
+        constants.append(ConstantRule(hf, expr(r["value"], f"{cw}.value", k),
+                                      expr(r["when"], f"{cw}.when", k) if "when" in r else None, _template_regex(hf)))
+    aliases = []
+    for a, b in _need(raw.get("aliases") or {}, dict, w, "aliases").items():
+        if ("{bid}" in str(a)) != ("{bid}" in str(b)):
+            raise SpecError(f"{w}: aliases: {{bid}} must be in both {a!r} and {b!r} or in neither")
+        aliases.append((re.compile(_template_regex(str(a)).pattern[:-2]), str(b)))     # a prefix: no \Z
+    aliases = tuple(aliases)
     return Spec(
         family=_need(raw["family"], str, w, "family"), path=path,
         architectures=tuple(serves["architectures"]), model_types=tuple(serves["model_types"]),
@@ -442,7 +523,7 @@ def load(path) -> Spec:
         tp_checks=_checks(raw.get("tp_checks"), f"{w}: tp_checks", known | {"tp"}),
         metadata=_metadata(raw["metadata"], f"{w}: metadata", known, arch),
         rank_metadata=_metadata(raw.get("rank_metadata"), f"{w}: rank_metadata", known | {"tp", "rank"}, arch),
-        tensors=tensors, ignore=tuple(ignore))
+        tensors=tensors, ignore=tuple(ignore), constants=tuple(constants), aliases=aliases)
 
 
 @lru_cache(maxsize=None)

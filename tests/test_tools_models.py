@@ -24,7 +24,11 @@ EXPECTED_ALGO = {
     "nvfp4_w4a16": "W4A16_NVFP4",
     "w4a8_nvfp4_fp8": "W4A8_NVFP4_FP8",
     "mixed_nvfp4_fp8": "MIXED_PRECISION",
+    "mixed_nvfp4_mxfp8": "MIXED_PRECISION",
 }
+
+
+FLAGSHIP_NON_BF16 = {"tiny-glm5_next": {"F32"}, "tiny-qwen4_exp": {"I64"}}
 
 
 def _need(name: str):
@@ -44,6 +48,9 @@ def test_layout_names():
     for fam in ("llama", "qwen3_moe", "qwen3_next", "glm4_moe"):
         for fmt in ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv"):
             assert f"tiny-{fam}/{fmt}" in names
+    for fam in ("qwen4_exp", "glm5_next"):
+        assert {n for n in names if n.startswith(f"tiny-{fam}/")} == {
+            f"tiny-{fam}/{fmt}" for fmt in ("bf16", "nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8")}
     assert all(s.fmt in EXPECTED_ALGO for s in M.SPECS.values())
 
 
@@ -62,7 +69,8 @@ def test_select():
     assert [s.name for s in M.select(["tiny-llama/fp8"])] == ["tiny-llama/fp8"]
     assert {s.fmt for s in M.select(["smollm2-135m"])} == {"bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_awq"}
     assert {s.family for s in M.select(["*/nvfp4"])} == {
-        "smollm2-135m", "tiny-llama", "tiny-qwen3_moe", "tiny-qwen3_next", "tiny-glm4_moe"}
+        "smollm2-135m", "tiny-llama", "tiny-qwen3_moe", "tiny-qwen3_next", "tiny-glm4_moe",
+        "tiny-qwen4_exp", "tiny-glm5_next"}
     assert "smollm2-135m/nvfp4_awq" not in {s.name for s in M.select(None, ["*/nvfp4_awq"])}
     with pytest.raises(SystemExit):
         M.select(["nope"])
@@ -88,7 +96,7 @@ def test_folder(name):
     q = d / "hf_quant_config.json"
     if fmt == "bf16":
         assert not q.exists()
-        assert "rope_theta" in cfg
+        assert "rope_theta" in cfg or cfg["model_type"] == "glm5_next"     # GLM-5 is NoPE
     else:
         algo = json.loads(q.read_text())["quantization"]
         assert algo["quant_algo"] == EXPECTED_ALGO[fmt]
@@ -100,7 +108,8 @@ def test_folder(name):
                 dtypes[k] = sf.get_slice(k).get_dtype()
     assert dtypes
     if fmt == "bf16":
-        assert set(dtypes.values()) == {"BF16"}
+        # flagships: GLM-5's _keep_in_fp32_modules_strict tensors F32, qwen4's n-gram hash buffers I64
+        assert set(dtypes.values()) == {"BF16"} | FLAGSHIP_NON_BF16.get(M.SPECS[name].family, set())
     else:
         assert any(v in ("U8", "F8_E4M3") for v in dtypes.values())
         if fmt.endswith("fp8kv"):
@@ -230,3 +239,117 @@ def test_tiny_build_is_deterministic(tmp_path):
     if M.is_built(name) and M._read_stamp(cached) == M.stamp_of(M.SPECS[name]):
         _same_build(roots[0] / name, cached, ("tokenizer.json", "hf_quant_config.json", "config.json"),
                     f"{name} against the cached build in {cached}")
+
+
+# ------------------------------------------------------------------ the flagship models
+
+
+def test_repair_ple_table(tmp_path):
+    """ModelOpt's misnamed PLE table is written back as transformers' own save does: shards
+    `ngram_embedding.shard_{i}.weight`, torch.chunk of the table, in order; nothing else changes."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from bloomery.tools import modelopt_export as X
+
+    table = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3).to(torch.bfloat16)
+    other = torch.ones(2, 2)
+    f = tmp_path / "model.safetensors"
+    save_file({"model.layers.0.ple.ple_embedding.shard_.weight": table, "model.norm.weight": other}, str(f),
+              metadata={"format": "pt"})
+    cfg = SimpleNamespace(split_ngram_parts=4, get_text_config=lambda: cfg)
+    assert X.repair_ple_table(tmp_path, cfg) == ["model.layers.0.ple.ple_embedding.shard_.weight"]
+    got = load_file(str(f))
+    p = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_"
+    assert sorted(got) == sorted(["model.norm.weight"] + [f"{p}{i}.weight" for i in range(4)])
+    for i, want in enumerate(torch.chunk(table, 4)):          # rows 3, 3, 3, 1
+        assert torch.equal(got[f"{p}{i}.weight"], want)
+    assert torch.equal(torch.cat([got[f"{p}{i}.weight"] for i in range(4)]), table)
+    assert torch.equal(got["model.norm.weight"], other)
+    with safe_open(str(f), "pt") as sf:
+        assert sf.metadata() == {"format": "pt"}
+    assert X.repair_ple_table(tmp_path, cfg) == []            # nothing left to repair
+
+
+def _tensors(folder):
+    from safetensors import safe_open
+
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})
+    return out
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fam", ["qwen4_exp", "glm5_next"])
+def test_flagship_bf16_has_no_constant_tensor(fam):
+    """Every float tensor transformers initialises to a constant (norm weights, PLE conv, mHC base and
+    scale, A_log, ape, ...) is randomised, so that every path of the forward does something."""
+    pytest.importorskip("torch")
+    d = _need(f"tiny-{fam}/bf16")
+    const = [k for k, t in _tensors(d).items()
+             if t.is_floating_point() and t.numel() > 1 and bool((t == t.flatten()[0]).all())]
+    assert not const, const
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8"])
+def test_qwen4_exports_store_the_ple_table_as_transformers_does(fmt):
+    """The ModelOpt exports hold the PLE shards under the names and with the bytes of the bf16 folder
+    (transformers' save), the I64 hash buffers as they are."""
+    torch = pytest.importorskip("torch")
+    base, q = _tensors(_need("tiny-qwen4_exp/bf16")), _tensors(_need(f"tiny-qwen4_exp/{fmt}"))
+    ple = [k for k in base if ".ple.ple_embedding." in k]
+    assert len(ple) == 2 * (4 + 3)                    # 2 PLE layers: 4 shards + 3 I64 buffers
+    assert not [k for k in q if k.endswith(".ple_embedding.shard_.weight")]
+    for k in ple:
+        assert q[k].dtype == base[k].dtype and torch.equal(q[k], base[k]), k
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("fam", ["qwen4_exp", "glm5_next"])
+def test_flagship_mixed_export(fam):
+    """mixed_nvfp4_mxfp8: NVFP4 routed experts; MXFP8 attention, indexer, shared expert; BF16 (or the
+    F32 GLM keeps) hyper-connections, routers and convs; the config lists exactly what is quantized."""
+    d = _need(f"tiny-{fam}/mixed_nvfp4_mxfp8")
+    layers = json.loads((d / "hf_quant_config.json").read_text())["quantization"]["quantized_layers"]
+    t = _tensors(d)
+    dtype = {k: str(v.dtype) for k, v in t.items()}
+    pre = "model.language_model.layers." if fam == "glm5_next" else "model.layers."
+    assert layers[pre + "3.mlp.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
+    assert dtype[pre + "3.mlp.experts.5.up_proj.weight"] == "torch.uint8"
+    assert dtype[pre + "3.mlp.experts.5.up_proj.weight_scale"] == "torch.float8_e4m3fn"
+    shared = "shared_experts" if fam == "glm5_next" else "shared_expert"
+    mxfp8 = [f"3.mlp.{shared}.down_proj", "3.self_attn.o_proj"] + (
+        ["3.self_attn.indexer.wq_b", "3.self_attn.kv_b_proj", "1.self_attn.q_proj"] if fam == "glm5_next"
+        else ["3.self_attn.indexer.index_qk_proj", "1.linear_attn.in_proj_qkv"])
+    for m in mxfp8:
+        assert layers[pre + m] == {"quant_algo": "MXFP8", "group_size": 32}, m
+        assert dtype[pre + m + ".weight"] == "torch.float8_e4m3fn" and dtype[pre + m + ".weight_scale"] == "torch.uint8"
+    for k, v in layers.items():
+        assert v["quant_algo"] == ("NVFP4" if k.endswith(".mlp.experts") else "MXFP8"), (k, v)
+    assert not [k for k in layers
+                if k.endswith(".mlp.gate") or any(s in k for s in ("hyper_connection", "conv1d", "_hc"))]
+    for k, v in dtype.items():
+        if any(s in k for s in ("hyper_connection", "_hc", "hc_", "mlp.gate.", "conv1d")):
+            assert v in ("torch.bfloat16", "torch.float32"), (k, v)
+    quantized = {k[: -len(".weight_scale")] for k in t if k.endswith(".weight_scale")}
+    listed = {m for m in quantized if m in layers or m.rsplit(".", 2)[0] in layers}   # experts: by their module
+    assert quantized == listed
+
+
+@pytest.mark.models
+def test_flagship_bf16_builds_are_deterministic(tmp_path):
+    """The flagship bf16 folders built from nothing equal, tensor for tensor, the cached build."""
+    pytest.importorskip("torch")
+    for name in ("tiny-qwen4_exp/bf16", "tiny-glm5_next/bf16"):
+        assert M.main(["--out", str(tmp_path), "--only", name]) == 0
+        cached = M.model_dir(name)
+        if not (M.is_built(name) and M._read_stamp(cached) == M.stamp_of(M.SPECS[name])):
+            pytest.skip(f"{name} is not built from this recipe (make models)")
+        _same_build(tmp_path / name, cached, ("config.json", "tokenizer.json"), f"{name} against {cached}")

@@ -5,6 +5,8 @@ same run and against Hugging Face transformers (torch, bf16) on the same shape.
     python -m bloomery.tools.bench_decode [--shapes smollm2-135m llama3-8b] [--steps 256]
         [--peer] [--work DIR] [--ckpt-dir DIR] [--out DIR] [--layers shape=N ...] [--prepare-only]
     python -m bloomery.tools.bench_decode --traffic --shapes qwen3-next-80b-a3b glm-4.5-air   # no GPU
+    python -m bloomery.tools.bench_decode --shapes qwen4-exp glm5-next --layers qwen4-exp=8 glm5-next=8 \
+        --ple-rows 1048576 --ckpt-dir /dev/shm        # the flagships: n-gram tables capped (synthetic.py)
 
 Per shape: load time (and upload GB/s), decode tok/s through Engine.decode (the host feeds the
 token, reads back the next id: one sync per token), ms/token, and the bytes a decode step moves,
@@ -12,7 +14,9 @@ counted two ways: the executor's weight count (the linears', the head's, the top
 embedding row: what its kernels read) and the model's whole traffic (tools/synthetic.py's tensor
 list: every dense weight, the embedding row, the head, only the top-k routed experts plus the shared
 expert(s); the recurrent states of the gated delta nets read and written whole each token; the KV
-cache read over the mean attended length of the timed steps and one position written): achieved
+cache read over the mean attended length of the timed steps and one position written; for the
+flagships also the hyper-connection streams, the KDA states, the indexers' key caches and, on the
+host, the PLE's n-gram rows: decode_traffic says how each is counted): achieved
 GB/s, % of the copy bandwidth, and the copy roofline in tok/s. Also the graph replayed back to back
 (no host in the loop) for the device-side time, and the device time per op kind (the gated delta
 net's causal_conv1d / gated_delta / rmsnorm_gated / split_groups, the gated attention's
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -58,21 +63,34 @@ def mean_context(steps: int, prompt_len: int = PROMPT_LEN, warm: int = WARM) -> 
     return float(np.mean([prompt_len + i + 1 for i in range(warm, steps)]))
 
 
+STORED = ("experts_stored", "ple_table_stored")   # what is stored but not moved per token
+HOST = ("ple_gather", "ple_copy")                 # what the host moves per token (not device memory traffic)
+
+
 def decode_traffic(shape: dict, fmt: str = "nvfp4", ctx: float = 1.0, state_bytes: int = 4,
                    kv_bytes: int = 4) -> dict:
     """Bytes one batch-1 decode step moves at `ctx` attended keys, by part, from the checkpoint's
     stored tensors (tools/synthetic.py's list: the stored formats' bytes, scales included): every
-    dense weight (attention, delta net, dense MLPs, norms), the embedding row, the head, the routers,
-    top_k / experts of the routed experts' bytes, the shared expert(s); the gated delta nets' conv
-    window and delta-rule state, read and written whole; the KV cache, ctx positions read, one
-    written. `total` sums them; `experts_stored` (all routed experts) is not in it."""
+    dense weight (attention, delta net, KDA, MLA, indexers, hyper-connections, dense MLPs, norms),
+    the embedding row, the head, the routers, top_k / experts of the routed experts' bytes, the
+    shared expert(s); the recurrent states (delta-rule / KDA state, conv windows; qwen4_exp's PLE
+    conv window and n-gram context), read and written whole; the KV cache (glm5_next: MLA's latent
+    cache) read over the positions attended (the indexed layers: at most the indexer's budget /
+    top-k plus its tail) and one position written; the indexer caches (QSA raw keys, DSA keys and
+    gate scores) read over all ctx positions, one written; the hyper-connection streams [n x D]
+    f32, counted as a fused step must move them: read twice and written once per
+    hyper-connection (collapse; injection), read once by the final collapse and, qwen4_exp, read and
+    written once per PLE layer. `total` sums the device parts; the stored-only parts (STORED: all
+    routed experts, the n-gram tables) and the host's (HOST: per PLE layer the G table rows of d
+    BF16 values gathered from the mmap, and their f32 copy to the device, G x d x 4) are not in it."""
     from bloomery.tools import synthetic as S
-    s = shape
+    s, mt = shape, shape["model_type"]
     p = dict.fromkeys(("dense", "embed_row", "head", "routers", "experts_active", "shared", "recurrent_state",
-                       "conv_state", "kv_read", "kv_write", "experts_stored"), 0.0)
+                       "conv_state", "ple_state", "hc_streams", "kv_read", "kv_write", "index_read", "index_write")
+                      + STORED + HOST, 0.0)
     for n, dt, shp in S.tensors(s, fmt):
-        nb = float(np.prod(shp)) * S.ITEMSIZE[dt]
-        if n == "model.embed_tokens.weight":
+        nb = float(math.prod(shp) * S.ITEMSIZE[dt])
+        if n.endswith("embed_tokens.weight"):
             p["embed_row"] += nb / s["vocab"]
             if s["tied"]:
                 p["head"] += nb
@@ -85,27 +103,47 @@ def decode_traffic(shape: dict, fmt: str = "nvfp4", ctx: float = 1.0, state_byte
             p["shared"] += nb
         elif ".mlp.gate." in n or n.endswith("shared_expert_gate.weight"):
             p["routers"] += nb
-        else:
+        elif ".ngram_embedding." in n:
+            p["ple_table_stored"] += nb
+        elif dt != "I64":                     # the n-gram hash constants are the plan's attrs: read by no kernel
             p["dense"] += nb
-    if s["model_type"] == "qwen3_next":
-        kinds = S.layer_types(s)
+    kinds = S.layer_types(s) if "full_interval" in s or "mla_interval" in s else ["full_attention"] * s["layers"]
+    n_lin, n_att = kinds.count("linear_attention"), s["layers"] - kinds.count("linear_attention")
+    attended = ctx
+    if mt in ("qwen3_next", "qwen4_exp_text"):
         conv = 2 * s["lin_k_heads"] * s["lin_k_dim"] + s["lin_v_heads"] * s["lin_v_dim"]
-        n_lin = kinds.count("linear_attention")
         p["recurrent_state"] = 2.0 * n_lin * s["lin_v_heads"] * s["lin_k_dim"] * s["lin_v_dim"] * state_bytes
         p["conv_state"] = 2.0 * n_lin * (s["conv_kernel"] - 1) * conv * state_bytes
-        n_att = kinds.count("full_attention")
+    if mt == "qwen4_exp_text":
+        nd, G, n_ple = s["hc"] * s["hidden"], S.ngram_heads(s), len(s["ple_layers"])
+        d = s["ple_dim"] // G
+        p["ple_state"] = 2.0 * n_ple * ((s["ple_kernel"] - 1) * s["ngram_size"] * nd * state_bytes
+                                        + (s["ngram_size"] - 1) * 4)          # the i32 n-gram context
+        p["ple_gather"], p["ple_copy"] = float(n_ple * G * d * 2), float(n_ple * G * d * 4)
+        p["hc_streams"] = (3.0 * 2 * s["layers"] + 1 + 2 * n_ple) * nd * 4
+        attended = min(ctx, s["idx_budget"] + s["idx_ratio"] - 1)
+        p["index_read"], p["index_write"] = n_att * ctx * s["idx_dim"] * state_bytes, float(n_att * s["idx_dim"] * state_bytes)
+    if mt == "glm5_next":
+        H, d, nd = s["lin_heads"], s["lin_dim"], s["hc"] * s["hidden"]
+        p["recurrent_state"] = 2.0 * n_lin * H * d * d * state_bytes
+        p["conv_state"] = 2.0 * n_lin * 3 * (s["conv_kernel"] - 1) * H * d * state_bytes
+        p["hc_streams"] = (3.0 * 2 * s["layers"] + 1) * nd * 4
+        attended = min(ctx, s["idx_topk"] + s["kpool"] - 1)
+        row = n_att * s["kv_rank"] * kv_bytes                       # the latent c of one position, every MLA layer
+        p["index_read"] = n_att * ctx * 2 * s["idx_dim"] * state_bytes       # every layer's indexer is "full"
+        p["index_write"] = float(n_att * 2 * s["idx_dim"] * state_bytes)
     else:
-        n_att = s["layers"]
-    row = n_att * s["kv"] * s["head_dim"] * 2 * kv_bytes          # K and V of one position, every attention layer
-    p["kv_read"], p["kv_write"] = ctx * row, float(row)
-    p["total"] = sum(v for k, v in p.items() if k != "experts_stored")
+        row = n_att * s["kv"] * s["head_dim"] * 2 * kv_bytes      # K and V of one position, every attention layer
+    p["kv_read"], p["kv_write"] = attended * row, float(row)
+    p["total"] = sum(v for k, v in p.items() if k not in STORED + HOST)
     return p
 
 
 def plan_states(plan: dict, symbols: dict) -> dict:
     """From the artifact's plan, per slot: the bytes of its recurrent states (every `state` buffer
-    but the KV caches: read and written whole each step), of one cached position of every KV
-    cache, and the states' itemsize (the plan's dtype)."""
+    without a ctx axis: read and written whole each step), of one cached position of every cache
+    over ctx (the KV caches, MLA's latent cache, the indexers' key caches), and the states'
+    itemsize (the plan's dtype)."""
     from bloomery.core import plan as P
     rec = kv = 0
     items = set()
@@ -115,11 +153,17 @@ def plan_states(plan: dict, symbols: dict) -> dict:
         size = 4 if b["dtype"] in ("f32", "i32") else 2
         items.add(size)
         nb = int(np.prod(P.shape(b, symbols))) * size // int(symbols["slots"])
-        if n.startswith("kv."):
+        if "ctx" in b["shape"]:
             kv += nb // int(symbols["ctx"])
         else:
             rec += nb
     return {"recurrent_bytes": rec, "kv_row_bytes": kv, "itemsize": max(items) if items else 4}
+
+
+def traffic_states(t: dict) -> tuple[float, float]:
+    """decode_traffic's counterpart of plan_states: (recurrent bytes a slot holds, cached bytes of
+    one position)."""
+    return (t["recurrent_state"] + t["conv_state"] + t["ple_state"]) / 2, t["kv_write"] + t["index_write"]
 
 
 def delta_flops(plan: dict, prog: str = "prefill") -> int:
@@ -138,6 +182,12 @@ OP_GROUPS = {
     "split_groups": "delta net", "rmsnorm": "rmsnorm",
     "moe_router": "MoE router", "moe_router_grouped": "MoE router",
     "moe_experts": "MoE experts", "moe_experts+add": "MoE experts",
+    "hc_expand": "hyper-connections", "act_scale": "hyper-connections", "hc_gate_mix": "hyper-connections",
+    "hc_inject": "hyper-connections", "mhc_weights": "hyper-connections", "hc_collapse": "hyper-connections",
+    "hc_mean": "hyper-connections", "mhc_inject": "hyper-connections",
+    "ngram_hash": "PLE", "host_embed": "PLE", "ple_gate": "PLE",
+    "qsa_index": "indexer", "dsa_index": "indexer", "layernorm": "indexer",
+    "kda": "KDA", "mla_attention": "attention",
 }
 
 
@@ -151,15 +201,15 @@ def grouped(profile: dict) -> dict:
     return out
 
 
-def fit_layers(name: str, fmt: str, room: float, both: bool) -> int | None:
+def fit_layers(name: str, fmt: str, room: float, both: bool, ple_rows: int | None = None) -> int | None:
     """The most layers of the shape (in steps that keep its layer pattern) whose checkpoint (and, when
     `both`, an artifact of about the same size beside it) fit in `room` bytes."""
     from bloomery.tools import synthetic as S
-    step = S.SHAPES[name].get("full_interval", 1) if S.SHAPES[name]["model_type"] == "qwen3_next" else 1
+    step = S.SHAPES[name].get("full_interval", 1)
     best = None
     for n in range(step, S.SHAPES[name]["layers"] + 1, step):
         try:
-            need = S.nbytes(S.tensors(S.shape_of(name, n), fmt)) * (2 if both else 1)
+            need = S.nbytes(S.tensors(S.shape_of(name, n, ple_rows=ple_rows), fmt)) * (2 if both else 1)
         except ValueError:
             continue
         if need <= room:
@@ -167,25 +217,25 @@ def fit_layers(name: str, fmt: str, room: float, both: bool) -> int | None:
     return best
 
 
-def check_room(name: str, fmt: str, layers: int | None, work: Path, ckdir: Path) -> None:
+def check_room(name: str, fmt: str, layers: int | None, work: Path, ckdir: Path, ple_rows: int | None = None) -> None:
     """Refuses, before anything is written, a checkpoint + artifact that would not fit on the disk(s)."""
     import shutil
 
     from bloomery.tools import synthetic as S
-    size = S.nbytes(S.tensors(S.shape_of(name, layers), fmt))
+    size = S.nbytes(S.tensors(S.shape_of(name, layers, ple_rows=ple_rows), fmt))
     margin = 1 << 30
     for d in (work, ckdir):
         d.mkdir(parents=True, exist_ok=True)
     same = os.stat(work).st_dev == os.stat(ckdir).st_dev
     free_w, free_c = shutil.disk_usage(work).free, shutil.disk_usage(ckdir).free
     if same and 2 * size + margin > free_w:
-        n = fit_layers(name, fmt, free_w - margin, True)
+        n = fit_layers(name, fmt, free_w - margin, True, ple_rows)
         raise OSError(f"{name} ({fmt}, {layers or S.SHAPES[name]['layers']} layers): checkpoint + artifact need "
                       f"~{2 * size / 1e9:.1f} GB, {work} has {free_w / 1e9:.1f} GB free: --layers {name}={n} fits, "
                       f"or put the checkpoint elsewhere (--ckpt-dir /dev/shm)")
     if not same and (size + margin > free_c or size + margin > free_w):
-        n = min(x or 0 for x in (fit_layers(name, fmt, free_c - margin, False),
-                                 fit_layers(name, fmt, free_w - margin, False)))
+        n = min(x or 0 for x in (fit_layers(name, fmt, free_c - margin, False, ple_rows),
+                                 fit_layers(name, fmt, free_w - margin, False, ple_rows)))
         raise OSError(f"{name} ({fmt}, {layers or S.SHAPES[name]['layers']} layers): ~{size / 1e9:.1f} GB each for "
                       f"the checkpoint ({ckdir}: {free_c / 1e9:.1f} GB free) and the artifact ({work}: "
                       f"{free_w / 1e9:.1f} GB free): --layers {name}={n} fits")
@@ -193,11 +243,18 @@ def check_room(name: str, fmt: str, layers: int | None, work: Path, ckdir: Path)
 
 def print_traffic(name: str, shape: dict, fmt: str, ctx: float, bw: float | None = None) -> dict:
     t = decode_traffic(shape, fmt, ctx)
-    parts = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in t.items() if k not in ("total", "experts_stored") and v)
     roof = f"; copy roofline {bw / t['total']:.1f} tok/s at {bw / 1e12:.3f} TB/s" if bw else ""
+    ple = (f"; the host gathers {t['ple_gather'] / 1e3:.1f} kB of n-gram rows a token and copies "
+           f"{t['ple_copy'] / 1e3:.1f} kB (f32) to the device; n-gram tables stored: "
+           f"{t['ple_table_stored'] / 1e9:.2f} GB") if t["ple_gather"] else ""
     log(f"{name} ({fmt}, {shape['layers']} layers, {ctx:.1f} keys attended): {t['total'] / 1e6:.1f} MB/token "
-        f"[{parts}] (all routed experts stored: {t['experts_stored'] / 1e9:.2f} GB){roof}")
+        f"[{device_parts(t)}] (all routed experts stored: {t['experts_stored'] / 1e9:.2f} GB){roof}{ple}")
     return t
+
+
+def device_parts(t: dict) -> str:
+    """decode_traffic's device parts, MB."""
+    return ", ".join(f"{k} {v / 1e6:.1f}" for k, v in t.items() if k not in ("total",) + STORED + HOST and v)
 
 
 def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
@@ -217,12 +274,25 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
     for _ in range(WARM):                         # warm
         _, nxt = eng.decode([tok], logits=False)
         tok = int(nxt[0])
+    warm_tables_s = None
+    if getattr(ex, "host", None):         # the host ops' tables (the PLE's) read into the page cache first
+        tw = time.perf_counter()
+        for a in ex.tables._t.values():
+            int(np.asarray(a).reshape(-1).view(np.uint8)[::4096].sum())
+        warm_tables_s = time.perf_counter() - tw
+    host0 = ex.host_stats().get("decode", {"runs": 0, "seconds": 0.0, "h2d_bytes": 0})
     t2 = time.perf_counter()
     n = steps - WARM
     for _ in range(n):
         _, nxt = eng.decode([tok], logits=False)
         tok = int(nxt[0])
     dt = (time.perf_counter() - t2) / n
+    host1 = ex.host_stats().get("decode", {"runs": 0, "seconds": 0.0, "h2d_bytes": 0})
+    runs = max(1, host1["runs"] - host0["runs"])
+    # the host ops (the PLE's n-gram ids and table rows, gathered from the mmapped artifact) per token
+    host = {"s_per_tok": (host1["seconds"] - host0["seconds"]) / runs,
+            "h2d_bytes_per_tok": (host1["h2d_bytes"] - host0["h2d_bytes"]) / runs,
+            "warm_tables_s": warm_tables_s} if host1["runs"] else None
     # the graph alone, replayed back to back (positions stay: the same attention length)
     g = ex.graph.get("decode")
     replay = None
@@ -239,7 +309,7 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
     return {"profile": {k: [round(v[0], 4), v[1]] for k, v in prof.items()}, "load_s": load_s,
             "upload_gb": ex.w.nbytes / 1e9, "upload_s": ex.w.upload_s,
             "warm_s": ex.warm_s, "prefill_s": prefill_s, "s_per_tok": dt, "replay_s": replay,
-            "bytes_per_tok": ex.decode_bytes, "kernels": len(ex.steps["decode"]),
+            "bytes_per_tok": ex.decode_bytes, "kernels": len(ex.steps["decode"]), "host": host,
             "plan_states": plan_states(ex.plan, ex.symbols)}
 
 
@@ -304,13 +374,15 @@ def bench_peer(ckpt: Path, steps: int, prompt_len: int = PROMPT_LEN, compiled: b
                device: str = "cuda") -> dict:
     import torch
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
+    import transformers
+    from transformers import AutoConfig, StaticCache
     cfg = AutoConfig.from_pretrained(ckpt)
     cfg.torch_dtype = torch.bfloat16
+    cls = getattr(transformers, cfg.architectures[0])       # glm5_next is no AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        model = cls._from_config(cfg, torch_dtype=torch.bfloat16).eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=device)
+    ids = torch.randint(0, cfg.get_text_config().vocab_size, (1, prompt_len), device=device)
     res = {"peer_bytes": nbytes}
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)          # eager, DynamicCache
@@ -355,6 +427,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", nargs="*", default=[],
                     help="shape=N: fewer layers than the real model (qwen3-next-80b-a3b: a multiple of 4, its "
                          "3 linear : 1 full attention pattern; glm-4.5-air: >= 2, its first layer dense)")
+    ap.add_argument("--ple-rows", type=int, default=None,
+                    help="qwen4-exp: n-gram tables of about this many rows (tools/synthetic.py; the real 320 M rows, "
+                         "81.9 GB a table, fit no single-GPU machine's disk)")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-shapes", nargs="*", default=None, help="run the peer on these only (default: all)")
@@ -373,15 +448,17 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from bloomery.tools import synthetic
     layers = {k: int(v) for k, v in (x.split("=") for x in a.layers)}
+    ple = {s: a.ple_rows if "ngram_base" in synthetic.SHAPES.get(s, {}) else None for s in a.shapes}
     try:
-        shapes = {s: synthetic.shape_of(s, layers.get(s)) for s in a.shapes}
+        shapes = {s: synthetic.shape_of(s, layers.get(s), ple_rows=ple[s]) for s in a.shapes}
     except (KeyError, ValueError) as e:
         ap.error(f"{e} (shapes: {', '.join(sorted(synthetic.SHAPES))})")
     ctx = mean_context(a.steps)
     if a.traffic:
         for s, sh in shapes.items():
             print_traffic(s, sh, a.format, ctx, a.bw * 1e12)
-            t1k = decode_traffic(sh, a.format, ctx + 1000)["kv_read"] - decode_traffic(sh, a.format, ctx)["kv_read"]
+            t0, t1 = decode_traffic(sh, a.format, ctx), decode_traffic(sh, a.format, ctx + 1000)
+            t1k = t1["kv_read"] + t1["index_read"] - t0["kv_read"] - t0["index_read"]
             log(f"  each 1,000 more keys attended: +{t1k / 1e6:.1f} MB/token")
         return 0
     import gc
@@ -412,9 +489,9 @@ def main(argv=None) -> int:
         try:
             if not art.exists():
                 shutil.rmtree(ck, ignore_errors=True)              # a leftover of an interrupted run
-                check_room(shape, a.format, layers.get(shape), a.work, ckdir)
+                check_room(shape, a.format, layers.get(shape), a.work, ckdir, ple[shape])
                 t0 = time.perf_counter()
-                synthetic.write(shape, ck, a.format, layers=layers.get(shape))
+                synthetic.write(shape, ck, a.format, layers=layers.get(shape), ple_rows=ple[shape])
                 r["synthetic_s"] = time.perf_counter() - t0
                 r["ckpt_gb"] = sum(f.stat().st_size for f in ck.glob("*.safetensors")) / 1e9
                 t0 = time.perf_counter()
@@ -430,7 +507,7 @@ def main(argv=None) -> int:
             r.update(bench_cuda(art, a.steps))
             ps = r["plan_states"]
             t = decode_traffic(sh, a.format, ctx, ps["itemsize"], ps["itemsize"])
-            mine = (t["recurrent_state"] + t["conv_state"]) / 2, t["kv_write"]
+            mine = traffic_states(t)
             if mine != (ps["recurrent_bytes"], ps["kv_row_bytes"]):
                 log(f"{shape}: WARNING the traffic model's states ({mine[0]:.0f} B recurrent, {mine[1]:.0f} B a KV "
                     f"position) are not the plan's ({ps['recurrent_bytes']} B, {ps['kv_row_bytes']} B)")
@@ -492,13 +569,20 @@ def main(argv=None) -> int:
             g = grouped(r["profile"])
             log("    by group: " + ", ".join(f"{k} {v[0]:.3f} ({v[1]})"
                                           for k, v in sorted(g.items(), key=lambda kv: -kv[1][0])))
+    for r in rows:
+        if r.get("host"):
+            h = r["host"]
+            log(f"  {r['shape']}: host ops (the PLE's n-gram ids and table rows, from the mmapped artifact) "
+                f"{1e6 * h['s_per_tok']:.1f} us a token ({100 * h['s_per_tok'] / r['s_per_tok']:.1f}% of the step), "
+                f"{h['h2d_bytes_per_tok'] / 1e3:.1f} KB copied to the device a token (tables read into the page "
+                f"cache first, {h['warm_tables_s']:.1f} s)")
     log()
     log("bytes a decode step moves (the model's count, MB: tools/bench_decode.decode_traffic):")
     for r in rows:
         if "traffic" in r:
             t = r["traffic"]
             log(f"  {r['shape']} ({r['layers']} layers, {r['ctx']:.1f} keys): total {t['total'] / 1e6:.1f} = " +
-                ", ".join(f"{k} {v / 1e6:.1f}" for k, v in t.items() if k not in ("total", "experts_stored") and v) +
+                device_parts(t) +
                 f"; the executor's weight count {r['bytes_per_tok'] / 1e6:.1f}")
     log()
     if tc:

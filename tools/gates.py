@@ -49,8 +49,12 @@ TINY_LLAMA = ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv", "fp8_channel", "fp
 TINY_QWEN3_MOE = ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv")
 TINY_GLM4_MOE = ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv")
 TINY_QWEN3_NEXT = ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv")
+# the flagships (tools/tiny.py FLAGSHIP_FORMATS: NVIDIA's mixed form among them)
+TINY_FLAGSHIP = ("bf16", "nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8")
+FLAGSHIPS = tuple(f"tiny-{m}/{f}" for m in ("qwen4_exp", "glm5_next") for f in TINY_FLAGSHIP)
 GATED = SMOLLM2 + tuple(f"tiny-llama/{f}" for f in TINY_LLAMA) + tuple(f"tiny-qwen3_moe/{f}" for f in TINY_QWEN3_MOE) \
-    + tuple(f"tiny-glm4_moe/{f}" for f in TINY_GLM4_MOE) + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT)
+    + tuple(f"tiny-glm4_moe/{f}" for f in TINY_GLM4_MOE) + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT) \
+    + FLAGSHIPS
 SKIP = {
     "tiny-llama/w4a8_nvfp4_fp8": "prepare refuses quant_algo W4A8_NVFP4_FP8 (UnknownQuantAlgo): not a format "
                                  "bloomery reads yet",
@@ -59,8 +63,13 @@ SKIP = {
 TP2 = ("smollm2-135m/nvfp4", "smollm2-135m/bf16") + tuple(
     f"tiny-llama/{f}" for f in TINY_LLAMA if f not in ("w4a8_nvfp4_fp8",)) + tuple(
     f"tiny-qwen3_moe/{f}" for f in TINY_QWEN3_MOE) + tuple(f"tiny-glm4_moe/{f}" for f in TINY_GLM4_MOE) \
-    + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT)
+    + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT) + FLAGSHIPS
 TP2_SKIP = {
+    **{f"tiny-qwen4_exp/{f}": "qwen4_exp is prepared for one GPU: prepare refuses tp 2 by name (TPNotDivisible)"
+       for f in TINY_FLAGSHIP},
+    **{f"tiny-glm5_next/{f}": "prepare refuses tp 2 (NotOnBlockBoundary: the tiny experts' 64-wide NVFP4 "
+                              "down_proj rows cut in two are not GGML NVFP4 super-blocks of 64; the stored "
+                              "layout for such cuts is issue 15)" for f in ("nvfp4", "mixed_nvfp4_mxfp8")},
     "tiny-llama/fp8_pb_wo": "prepare refuses tp 2 (NotOnBlockBoundary: the 128x128 FP8 blocks of a 128-row "
                             "attn_q cannot be cut in two)",
 }
@@ -142,16 +151,22 @@ def position_metrics(ref: np.ndarray, cand: np.ndarray) -> dict[str, np.ndarray]
 
 
 # Router ties: a position where some MoE router's k-th and (k+1)-th choice scores of the reference
-# differ by less than TIE_MARGIN of the row's largest |score| (tools/oracle.py router_margins) is
+# differ by less than TIE_MARGIN of the row's largest |score| (tools/oracle.py router_margins; with
+# the flagships' QSA / DSA indexers, their block / pool scores at the top-k cut likewise:
+# tie_margins, the smaller of the two) is
 # a tie at float32 noise: an executor that rounds differently may pick the other expert there (a
 # discrete change, e.g. rel L2 0.135 at the one tied position of tiny-qwen3_moe/mxfp8 on the H200).
 # Such positions are left out of the metrics and counted; the reference alone decides which, so a
 # candidate cannot widen the set. 5e-5 is 10x the relative difference of the hidden states measured
 # between the CUDA and NumPy executors (<= 5e-6). Over the prompt set it leaves out 2 of 2,304
 # positions of tiny-qwen3_moe/mxfp8 (6.9e-6, 1.5e-5), 1 of fp8 (4.0e-5), none of nvfp4 and bf16
-# (>= 1.5e-4). More than MAX_TIES of the positions is an error.
+# (>= 1.5e-4). The flagships add their indexers' top-k cuts (4 of up to 256 blocks / pools, every
+# indexed layer): over the full prompt set 1-10 of 2,304 positions (make gates, 2026-12-01), over
+# the 576 of make test's fast subset up to 4 (0.7%: tiny-qwen4_exp/bf16). More than MAX_TIES of the
+# positions is an error: the prompt set would then not gate the model. It was 0.5% before the
+# flagships; 1% still leaves 99% of the positions judged.
 TIE_MARGIN = 5e-5
-MAX_TIES = 0.005
+MAX_TIES = 0.01
 
 
 def summarize(per: Sequence[dict[str, np.ndarray]], keep: Sequence[np.ndarray] | None = None) -> dict:
@@ -341,7 +356,7 @@ def gate_row(name: str, bands: dict[str, Band], candidate: str = "executor", lim
         refs, cands, margins = [], [], []
         for s in seqs:
             refs.append(ref.logits(s.ids))
-            margins.append(ref.router_margins(s.ids))
+            margins.append(ref.tie_margins(s.ids))
             c = cand(s.ids)
             cands.append(c)
             if memo is not None:

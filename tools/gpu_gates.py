@@ -143,7 +143,7 @@ def oracle_gate(folder: Path, art: Path, device: str = "cuda", limit: int | None
     try:
         for sq in seqs:
             refs.append(ref.logits(sq.ids))
-            margins.append(ref.router_margins(sq.ids))
+            margins.append(ref.tie_margins(sq.ids))
             cands.append(logits(eng, sq.ids))
     finally:
         _close(eng)

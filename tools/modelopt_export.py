@@ -139,6 +139,29 @@ def _mixed_nvfp4_fp8() -> dict:
     return cfg
 
 
+def _mixed_nvfp4_mxfp8() -> dict:
+    """The flagships in the style NVIDIA ships them: NVFP4 routed experts; MXFP8 attention (softmax,
+    linear, MLA), indexers, shared experts and the other projections (PLE, dense MLP); BF16
+    hyper-connections, routers and convs -> quant_algo MIXED_PRECISION."""
+    cfg = _preset("MXFP8_DEFAULT_CFG")
+    nvfp4 = _preset("NVFP4_DEFAULT_CFG")
+    fp4_w = next(e["cfg"] for e in nvfp4["quant_cfg"] if e.get("quantizer_name") == "*weight_quantizer")
+    fp4_i = next(e["cfg"] for e in nvfp4["quant_cfg"] if e.get("quantizer_name") == "*input_quantizer")
+    extra = [
+        # fused experts hold per-expert `<proj>_weight_quantizers.<e>` and one `<proj>_input_quantizer`
+        {"quantizer_name": "*mlp.experts.*weight_quantizer*", "cfg": fp4_w},
+        {"quantizer_name": "*mlp.experts.*input_quantizer*", "cfg": fp4_i},
+        {"quantizer_name": "*hyper_connection*", "enable": False},    # qwen4 HC (glm's are Parameters)
+        # the depthwise convs (glm KDA self_attn.conv1d, qwen4 ple.conv1d): ModelOpt stores them
+        # unquantized but would list them as MXFP8 in quantized_layers
+        {"quantizer_name": "*conv1d*", "enable": False},
+    ]
+    assert [e.get("quantizer_name") for e in cfg["quant_cfg"][:3]] == [
+        "*", "*weight_quantizer", "*input_quantizer"]
+    cfg["quant_cfg"] = cfg["quant_cfg"][:3] + extra + cfg["quant_cfg"][3:]    # routers stay excluded
+    return cfg
+
+
 # name -> (preset names to join | callable returning a config, needs the CPU shim)
 FORMATS: dict[str, tuple] = {
     "nvfp4": (("NVFP4_DEFAULT_CFG",), False),
@@ -152,6 +175,7 @@ FORMATS: dict[str, tuple] = {
     "mxfp4": (("MXFP4_DEFAULT_CFG",), False),
     "w4a8_nvfp4_fp8": (("W4A8_NVFP4_FP8_CFG",), False),
     "mixed_nvfp4_fp8": (_mixed_nvfp4_fp8, False),
+    "mixed_nvfp4_mxfp8": (_mixed_nvfp4_mxfp8, False),
 }
 
 
@@ -183,7 +207,41 @@ def quantize_and_export(model, fmt: str, calib_batches: Iterable[torch.Tensor], 
     model = mtq.quantize(model, cfg, forward_loop)
     out_dir = Path(out_dir)
     export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=out_dir)
+    repair_ple_table(out_dir, model.config)
     return json.loads((out_dir / "hf_quant_config.json").read_text())
+
+
+PLE_MISNAMED = ".ple_embedding.shard_.weight"
+
+
+def repair_ple_table(out_dir: Path, config) -> list[str]:
+    """ModelOpt 0.47's reverse of transformers' load conversion writes qwen4_exp's PLE table
+    ([Rpad, P/G], BF16: not quantized) as one tensor `<layer>.ple.ple_embedding.shard_.weight`, a
+    name transformers cannot load. Write it as transformers' save_pretrained does (the bf16
+    folder): its own Chunk op, the reverse of Concatenate(num_shards_attribute="split_ngram_parts"),
+    into `<layer>.ple.ple_embedding.ngram_embedding.shard_{i}.weight`. Values unchanged. Returns
+    the names repaired (none for other models)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import Chunk
+
+    repaired = []
+    for f in sorted(Path(out_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if not any(k.endswith(PLE_MISNAMED) for k in sf.keys()):
+                continue
+            meta = sf.metadata()
+            tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+        if (Path(out_dir) / "model.safetensors.index.json").exists():
+            raise RuntimeError(f"{f}: repairing the PLE table of a sharded export is not implemented")
+        for k in [k for k in tensors if k.endswith(PLE_MISNAMED)]:
+            prefix = k[: -len(PLE_MISNAMED)] + ".ple_embedding."
+            shards = Chunk(dim=0, num_shards_attribute="split_ngram_parts").convert(
+                {k: tensors.pop(k)}, [k], ["ngram_embedding.shard_*.weight"], config=config)
+            tensors.update({prefix + name: t for name, t in shards.items()})
+            repaired.append(k)
+        save_file(tensors, str(f), metadata=meta)
+    return repaired
 
 
 def finish_folder(out_dir: Path, tokenizer_dir: Path | None) -> None:

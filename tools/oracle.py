@@ -26,7 +26,18 @@ quantization, see shared/notes/modelopt-cpu.md):
   no module for them (it skips them on load);
 - MoE experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) are stacked
   into transformers' fused `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
-  `experts.down_proj` [E, H, I].
+  `experts.down_proj` [E, H, I];
+- the flagship families (qwen4_exp, glm5_next: FROM_STORED_NAMES), whose stored names are not the
+  module names (PLE shards, glm's hc_ / q,k,v_conv1d / forget-gate names, per-expert experts,
+  docs/flagships.md), are loaded by transformers' own loading conversion instead, the contract:
+  the decoded float32 tensors under their stored names go to the architecture's from_pretrained
+  (state_dict=, dtype float32), and a missing, unexpected or mis-shaped key is an error. glm5_next is
+  a Glm5NextForConditionalGeneration: its vision tower is loaded as stored and not run (the logits
+  of token ids come from the language model and lm_head).
+
+Selections that a float32 rounding can flip are measured, so that the gates can leave them out:
+router_margins (MoE top-k, with the group limit) and indexer_margins (the QSA / DSA indexers'
+top-k of blocks / pools); tie_margins is the smaller of the two per position.
 
 `weights=` replaces the checkpoint's tensors with another source of HF-named float32 arrays
 (e.g. an artifact's tensors decoded by core/artifact/reader: `artifact_weights(path)`), so
@@ -59,6 +70,8 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HASHED_SUFFIXES = (".safetensors", ".json")
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+# model types loaded through transformers' own conversion of the stored names (load_stored)
+FROM_STORED_NAMES = ("qwen4_exp_text", "glm5_next")
 
 
 class OracleError(RuntimeError):
@@ -250,6 +263,40 @@ def state_dict_for(model, weights: Mapping[str, np.ndarray], tied: bool) -> dict
     return sd
 
 
+def load_stored(cfg, weights: Mapping[str, np.ndarray]):
+    """The float32 model of `cfg`'s architecture from tensors under their stored names, through
+    transformers' own loading conversion (from_pretrained with a state_dict): every parameter and
+    persistent buffer filled, every tensor used, shapes equal."""
+    import torch
+    import transformers
+    from transformers.utils import logging as tlog
+
+    cls = getattr(transformers, cfg.architectures[0])
+    sd = {n: torch.from_numpy(np.ascontiguousarray(w)) for n, w in weights.items()}
+    verbosity = tlog.get_verbosity()
+    tlog.set_verbosity_error()      # the loading report: checked below instead
+    tlog.disable_progress_bar()
+    try:
+        # mismatched shapes come back in the loading info (named below) instead of raising
+        model, info = cls.from_pretrained(None, config=cfg, state_dict=sd, dtype=torch.float32,
+                                          attn_implementation="eager", experts_implementation="eager",
+                                          ignore_mismatched_sizes=True, output_loading_info=True)
+    except RuntimeError as e:        # conversion errors
+        raise OracleError(f"transformers cannot load the stored tensors: {e}") from e
+    finally:
+        tlog.set_verbosity(verbosity)
+        tlog.enable_progress_bar()
+    bad = [f"{what}: {', '.join(sorted(map(str, info[key]))[:8])}"
+           + (f" (+{len(info[key]) - 8} more)" if len(info[key]) > 8 else "")
+           for key, what in (("missing_keys", "model parameters with no stored tensor"),
+                             ("unexpected_keys", "stored tensors the model has no place for"),
+                             ("mismatched_keys", "stored shapes that are not the model's (name, stored, model)"),
+                             ("error_msgs", "errors")) if info[key]]
+    if bad:
+        raise OracleError("; ".join(bad))
+    return model.eval()
+
+
 def build_model(folder, weights: Mapping[str, np.ndarray] | None = None):
     """The float32 transformers model of `folder` with the decoded weights (or `weights`)."""
     import torch
@@ -259,15 +306,18 @@ def build_model(folder, weights: Mapping[str, np.ndarray] | None = None):
     if weights is None:
         weights = checkpoint_weights(folder)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
-    if hasattr(model.config, "_experts_implementation"):
-        model.config._experts_implementation = "eager"
-    model.eval()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    sd = state_dict_for(model, weights, tied)
-    model.load_state_dict(sd, strict=True)
-    if tied:
-        model.tie_weights()
+    if cfg.model_type in FROM_STORED_NAMES:
+        model = load_stored(cfg, weights)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+        if hasattr(model.config, "_experts_implementation"):
+            model.config._experts_implementation = "eager"
+        model.eval()
+        sd = state_dict_for(model, weights, tied)
+        model.load_state_dict(sd, strict=True)
+        if tied:
+            model.tie_weights()
     not_f32 = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if not_f32:     # load_state_dict would have rounded the decoded weights into them
         raise OracleError(f"{folder}: the model holds {', '.join(not_f32)} parameters; the oracle is float32")
@@ -282,6 +332,114 @@ def forward_logits(model, ids: Sequence[int]) -> np.ndarray:
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
     return out.logits[0].to(torch.float32).numpy().copy()
+
+
+# --------------------------------------------------------------------------- selection margins
+
+
+def _cut_margins(s, k: int, valid=None) -> np.ndarray:
+    """Rows of scores s [R, n] (float32 torch), keeping the top k of the valid ones: the relative
+    gap (s_k - s_(k+1)) / max|s| at the cut; +inf for a row with k or fewer valid entries."""
+    import torch
+
+    s = s.to(torch.float64)
+    if valid is None:
+        valid = torch.ones_like(s, dtype=torch.bool)
+    n_valid = valid.sum(-1)
+    s = s.masked_fill(~valid, -torch.inf)
+    kk = min(k + 1, s.shape[-1])
+    top = torch.topk(s, kk, dim=-1).values
+    scale = s.abs().masked_fill(~valid, 0).amax(-1).clamp_min(1e-30)
+    out = torch.full((s.shape[0],), torch.inf, dtype=torch.float64)
+    cut = n_valid > k
+    if kk == k + 1:
+        out[cut] = ((top[:, k - 1] - top[:, k]) / scale)[cut]
+    return out.numpy()
+
+
+def _router_margins(model, ids, worst) -> bool:
+    import torch
+
+    routers = [m for m in model.modules() if "router" in type(m).__name__.lower() and hasattr(m, "weight")]
+
+    def hook(mod, args):
+        x = args[0].reshape(-1, mod.weight.shape[-1]).to(torch.float32)
+        s = x @ mod.weight.to(torch.float32).T
+        if hasattr(mod, "e_score_correction_bias"):
+            s = s.sigmoid() + mod.e_score_correction_bias.to(torch.float32)
+        k = int(getattr(mod, "top_k", None) or getattr(model.config, "num_experts_per_tok"))
+        groups = int(getattr(mod, "num_group", 1) or 1)
+        if groups > 1:               # GLM's group limit: the chosen groups, then top-k inside them
+            kg = int(mod.topk_group)
+            g = s.view(s.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+            chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(kg, dim=-1).indices, True)
+            inside = chosen.repeat_interleave(s.shape[-1] // groups, dim=-1)
+            m = np.minimum(_cut_margins(g, kg), _cut_margins(s, k, inside))
+        else:
+            top = torch.topk(s, k + 1, dim=-1).values
+            m = ((top[:, k - 1] - top[:, k]) / s.abs().amax(dim=-1).clamp_min(1e-30)).double().numpy()
+        np.minimum(worst, m[: len(ids)], out=worst)
+    handles = [r.register_forward_pre_hook(hook) for r in routers]
+    try:
+        if routers:
+            forward_logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return bool(routers)
+
+
+def _indexer_margins(model, ids, worst) -> bool:
+    """Record every top-k an indexer module takes (TorchFunctionMode inside its forward): QSA
+    takes one per position over a 1-D score vector (from the first position with a complete
+    block on), DSA one over [1, positions, pools] with the unselectable pools at float32's
+    lowest; either way the rows recorded are the sequence's last positions, in order."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in (torch.topk, torch.Tensor.topk):
+                s, k = args[0], int(kwargs.get("k", args[1] if len(args) > 1 else 0))
+                if kwargs.get("dim", args[2] if len(args) > 2 else -1) not in (-1, s.ndim - 1):
+                    raise OracleError(f"an indexer took a top-k over dim {kwargs.get('dim')} of {s.ndim}")
+                s = s.detach().float().reshape(-1, s.shape[-1]) if s.ndim > 1 else s.detach().float()[None]
+                self.rows.append(_cut_margins(s, k, s > torch.finfo(torch.float32).min))
+            return func(*args, **kwargs)
+
+    indexers = [m for m in model.modules() if type(m).__name__.lower().endswith("indexer")]
+    records = []
+
+    def wrap(mod):
+        forward = mod.forward
+
+        def recorded(*a, **kw):
+            rec = Record()
+            with rec:
+                out = forward(*a, **kw)
+            records.append(rec)
+            return out
+        mod.forward = recorded
+    for m in indexers:
+        wrap(m)
+    try:
+        if indexers:
+            forward_logits(model, ids)
+    finally:
+        for m in indexers:
+            del m.forward
+    n = len(ids)
+    for rec in records:
+        rows = np.concatenate(rec.rows) if rec.rows else np.zeros(0)
+        if rows.size > n:
+            raise OracleError(f"an indexer took {rows.size} top-k rows for {n} positions")
+        np.minimum(worst[n - rows.size:], rows, out=worst[n - rows.size:])
+    return bool(indexers)
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -357,47 +515,48 @@ class Oracle:
         d.mkdir(parents=True, exist_ok=True)
         (d / "source.json").write_text(json.dumps(source))
 
-    def router_margins(self, ids: Sequence[int]) -> np.ndarray | None:
-        """Per position, the smallest relative top-k margin of any MoE router of the model on this
-        sequence: (s_k - s_(k+1)) / max|s| over the router's choice scores s (its logits; for a
-        router with a correction bias, sigmoid(logits) + bias, the scores GLM chooses by; the group
-        limit is not applied), k its top_k. None for a model without routers. A margin near float32
-        noise is a tie: an executor that rounds differently may pick the other expert there, a
-        discrete change that says nothing about its correctness (tools/gates.py excludes such
-        positions, counted). Cached beside the logits."""
-        import torch
-
+    def _margins(self, ids: Sequence[int], suffix: str, measure) -> np.ndarray | None:
+        """Per-position margins by `measure(model, ids, worst)` (which lowers `worst` in place and
+        returns False for a model with nothing to measure: then None), cached beside the logits."""
         ids = [int(i) for i in ids]
-        p = self.cache_path(ids).with_suffix(".margin.npy")
-        if self.cache and p.is_file():       # all +inf: a model without routers
+        p = self.cache_path(ids).with_suffix(suffix)
+        if self.cache and p.is_file():       # all +inf: a model with nothing to measure
             try:
                 arr = np.load(p)
                 if arr.shape == (len(ids),):
                     return None if np.isinf(arr).all() else arr
             except (OSError, ValueError):
                 pass
-        routers = [m for m in self.model.modules() if "router" in type(m).__name__.lower() and hasattr(m, "weight")]
         worst = np.full(len(ids), np.inf)
-
-        def hook(mod, args):
-            x = args[0].reshape(-1, mod.weight.shape[-1]).to(torch.float32)
-            s = x @ mod.weight.to(torch.float32).T
-            if hasattr(mod, "e_score_correction_bias"):
-                s = s.sigmoid() + mod.e_score_correction_bias.to(torch.float32)
-            k = int(getattr(mod, "top_k", None) or getattr(self.model.config, "num_experts_per_tok"))
-            top = torch.topk(s, k + 1, dim=-1).values
-            m = ((top[:, k - 1] - top[:, k]) / s.abs().amax(dim=-1).clamp_min(1e-30)).double().numpy()
-            np.minimum(worst, m[: len(ids)], out=worst)
-        handles = [r.register_forward_pre_hook(hook) for r in routers]
-        try:
-            if routers:
-                forward_logits(self.model, ids)
-        finally:
-            for h in handles:
-                h.remove()
+        found = measure(self.model, ids, worst)
         if self.cache:
             self._store(p, worst)
-        return worst if routers else None
+        return worst if found else None
+
+    def router_margins(self, ids: Sequence[int]) -> np.ndarray | None:
+        """Per position, the smallest relative top-k margin of any MoE router of the model on this
+        sequence: (s_k - s_(k+1)) / max|s| over the router's choice scores s (its logits; for a
+        router with a correction bias, sigmoid(logits) + bias, the scores GLM chooses by), k its
+        top_k; with a group limit (n_group > 1: GLM-5), also the margin of the topk_group-th group
+        score over the next, and k counted within the chosen groups. None for a model without
+        routers. A margin near float32 noise is a tie: an executor that rounds differently may pick
+        the other expert there, a discrete change that says nothing about its correctness
+        (tools/gates.py excludes such positions, counted). Cached beside the logits."""
+        return self._margins(ids, ".margin.npy", _router_margins)
+
+    def indexer_margins(self, ids: Sequence[int]) -> np.ndarray | None:
+        """Per position, the smallest relative margin at the cut of any sparse-attention indexer
+        (qwen4_exp QSA blocks, glm5_next DSA pools): (s_k - s_(k+1)) / max|s| over the scores of the
+        candidates the position may select, k the number it keeps; +inf where it keeps them all.
+        The scores are the module's own (its top-k input, recorded). None for a model without
+        indexers. A tie there flips which keys a position attends to (docs/flagships.md Surprise
+        6), like a router tie. Cached beside the logits."""
+        return self._margins(ids, ".imargin.npy", _indexer_margins)
+
+    def tie_margins(self, ids: Sequence[int]) -> np.ndarray | None:
+        """The smaller of router_margins and indexer_margins per position (None where both are)."""
+        got = [m for m in (self.router_margins(ids), self.indexer_margins(ids)) if m is not None]
+        return np.minimum.reduce(got) if got else None
 
     def greedy(self, ids: Sequence[int], n: int, eos: Iterable[int] = ()) -> list[int]:
         """Greedy continuation (no cache of any kind: recomputes the prefix each step)."""

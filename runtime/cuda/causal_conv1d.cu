@@ -1,10 +1,11 @@
 // causal_conv1d: the contract of runtime/ops/causal_conv1d.py. A causal depthwise conv over each
-// slot's input sequence followed by SiLU, the slot's last K-1 inputs kept as state [slots, K-1, C]
-// (oldest first):   out[t, c] = silu(sum_j w[c, j] * u[t - K + 1 + j, c])   (w[c, K-1]: the current row),
+// slot's input sequence followed by SiLU, dilated by DIL (1: Qwen3-Next's conv; qwen4_exp's PLE conv:
+// ngram_size), the slot's last W = (K-1)*DIL inputs kept as state [slots, W, C] (oldest first):
+//     out[t, c] = silu(sum_j w[c, j] * u[t - (K - 1 - j) * DIL, c])   (w[c, K-1]: the current row),
 // the products rounded and summed in j order (NumPy's order), silu(x) = x / (1 + exp(-x)) (silu_nb).
 //
 // One thread per (slot, channel): grid x = channel blocks of 64, y = slot. The thread keeps the
-// channel's K weights and its K-1 window in registers and walks the rows in order (the positions and
+// channel's K weights and its W window in registers and walks the rows in order (the positions and
 // slot ids are read from device memory, 32 rows per tile with a ballot: the slot is uniform over a
 // warp), so out may be x (in place: a thread reads x[r, c] before it writes out[r, c], and no other
 // thread reads them). A tile's inputs are loaded before the previous tile is computed and stored (a
@@ -12,7 +13,7 @@
 // of 8 with no branch (selects), so their exp / divide chains overlap. A row at position 0 starts a
 // new sequence (zero window); a row whose position is negative or whose slot is outside [0, slots)
 // is inactive: zeros out (written by the threads of slot row % slots), no state change. The window
-// before the op is read once (K-1 floats a thread), the final one written by the slots that had rows.
+// before the op is read once (W floats a thread), the final one written by the slots that had rows.
 
 typedef unsigned int u32;
 #define FULL_MASK 0xffffffffu
@@ -31,21 +32,22 @@ __device__ __forceinline__ float silu_nb(float x) {
   return fmaf(fmaf(-q, d, x), r, q);
 }
 
-template <int K>
+template <int K, int DIL = 1>
 __global__ void __launch_bounds__(64) causal_conv1d_k(const float *x, float *out, const int *__restrict__ pos,
                                                        const int *__restrict__ slot, const float *__restrict__ w,
                                                        float *__restrict__ state, int rows, int nslots, int C) {
-  static_assert(K >= 2, "kernel >= 2");
+  static_assert(K >= 2 && DIL >= 1, "kernel >= 2, dilation >= 1");
+  constexpr int W = (K - 1) * DIL;                       // the window's length
   const int lane = threadIdx.x & 31, s = blockIdx.y;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (blockIdx.x * blockDim.x + (threadIdx.x & ~31) >= C) return;      // whole warps only (ballots below)
   const bool on = c < C;
-  float wt[K], win[K - 1];
-  float *st = state + (size_t)s * (K - 1) * C + c;
+  float wt[K], win[W];
+  float *st = state + (size_t)s * W * C + c;
 #pragma unroll
   for (int j = 0; j < K; j++) wt[j] = on ? w[(size_t)c * K + j] : 0.f;
 #pragma unroll
-  for (int j = 0; j < K - 1; j++) win[j] = on ? st[(size_t)j * C] : 0.f;
+  for (int j = 0; j < W; j++) win[j] = on ? st[(size_t)j * C] : 0.f;
   bool any = false;                                     // the slot had rows: its window is written back
 
   // a tile of 32 rows at t0: its rows of this slot (m), each lane's row position (pt), their inputs
@@ -72,17 +74,17 @@ __global__ void __launch_bounds__(64) causal_conv1d_k(const float *x, float *out
       for (int u = g; u < g + 8; u++) {
         const bool take = (m >> u) & 1u;
         const bool reset = take && __shfl_sync(FULL_MASK, pt, u) == 0;
-        float wz[K - 1];
+        float wz[W];
 #pragma unroll
-        for (int j = 0; j < K - 1; j++) wz[j] = reset ? 0.f : win[j];
-        float acc = __fmul_rn(wz[0], wt[0]);
+        for (int j = 0; j < W; j++) wz[j] = reset ? 0.f : win[j];
+        float acc = __fmul_rn(wz[0], wt[0]);           // tap j reads u[t - (K-1-j)*DIL] = win[j*DIL]
 #pragma unroll
-        for (int j = 1; j < K - 1; j++) acc = __fadd_rn(acc, __fmul_rn(wz[j], wt[j]));
+        for (int j = 1; j < K - 1; j++) acc = __fadd_rn(acc, __fmul_rn(wz[j * DIL], wt[j]));
         acc = __fadd_rn(acc, __fmul_rn(xc[u], wt[K - 1]));
         if (take && on) out[(size_t)(t0 + u) * C + c] = silu_nb(acc);
 #pragma unroll
-        for (int j = 0; j < K - 2; j++) win[j] = take ? wz[j + 1] : win[j];
-        win[K - 2] = take ? xc[u] : win[K - 2];
+        for (int j = 0; j < W - 1; j++) win[j] = take ? wz[j + 1] : win[j];
+        win[W - 1] = take ? xc[u] : win[W - 1];
       }
     }
   };
@@ -100,6 +102,6 @@ __global__ void __launch_bounds__(64) causal_conv1d_k(const float *x, float *out
   }
   if (any && on) {
 #pragma unroll
-    for (int j = 0; j < K - 1; j++) st[(size_t)j * C] = win[j];
+    for (int j = 0; j < W; j++) st[(size_t)j * C] = win[j];
   }
 }

@@ -23,6 +23,13 @@ families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py
   device: the router's ids are read by the expert GEMV kernels (no host round trip).
 - A run's only host synchronization is reading its outputs (the next token id; the logits
   only when asked for).
+- Host ops (core/plan OpSig.host: qwen4_exp's n-gram ids and n-gram table rows) run on the host
+  with their NumPy implementations (runtime/ops) before each replay, on the run's inputs, with
+  their states on the host; the buffers they write that device ops read are copied to the
+  device by one asynchronous copy each, from pinned memory, ahead of the replay on the same
+  stream. Their tables are never uploaded: they are read through the artifact's mmap, so a
+  step touches only the rows it needs (page-cache hits are a memcpy). host_stats() reports the
+  time and bytes this adds.
 - Linears of more than 8 rows (prefill chunks) run on the tensor cores (runtime/cuda/gemm.py: the
   weight decoded into a reused BF16 scratch, one cuBLAS GEMM), in the mode the lever
   BLOOMERY_PREFILL_GEMM names ("bf16", "bf16x2", or "off": the GEMV kernels over 8-row groups).
@@ -34,7 +41,9 @@ families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py
 from __future__ import annotations
 
 import os
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -47,14 +56,29 @@ from bloomery.core import levers
 from bloomery.core import plan as P
 
 from ..errors import DeviceUnavailable, PlanMismatch
+from ..ops import IMPL as NUMPY_OPS
 from ..ops.rope import inv_freq
+from . import act_scale as AS
 from . import bias_add as BA
 from . import causal_conv1d as CC
+from . import dsa_index as DSA
 from . import gated_delta as GD
 from . import gemm as M
 from . import gemv as G
+from . import hc_collapse as HCC
+from . import hc_expand as HCE
+from . import hc_gate_mix as HGM
+from . import hc_inject as HCI
+from . import hc_mean as HCM
+from . import kda as KDA
+from . import layernorm as LN
+from . import mhc_inject as MHI
+from . import mhc_weights as MHW
+from . import mla_attention as MLA
 from . import moe_router_grouped as MRG
 from . import ops as K
+from . import ple_gate as PG
+from . import qsa_index as QSA
 from . import rmsnorm_gated as RG
 from . import sigmoid_mul as SM
 from . import split_groups as SG
@@ -73,7 +97,7 @@ def _dead_after(ops, j: int, buf: str) -> bool:
     """No op from j on reads `buf` before one writes it (so its value there is never used)."""
     for o in ops[j:]:
         sig = P.OPS[o["op"]]
-        if any(o[k] == buf for k in (*sig.reads, *sig.state)):
+        if any(o.get(k) == buf for k in (*sig.reads, *sig.opt_reads, *sig.state)):
             return False
         if any(o[k] == buf for k in sig.writes):
             return True
@@ -152,6 +176,82 @@ class DeviceWeights:
         return self.raw(name)["weight"], DENSE_DT[t.format], int(t.shape[0]), int(t.shape[1])
 
 
+class HostTables:
+    """The tables host ops read (host_embed's n-gram table), as stored in the artifact: a
+    read-only view of the mmapped shard, indexed per step; nothing is decoded or uploaded. At load
+    the kernel is asked to read their shards into the page cache in the background
+    (POSIX_FADV_WILLNEED; prepare's publish drops the pages it wrote): a row still on disk costs
+    the step a disk read, a cached one a memcpy."""
+
+    def __init__(self, art, rank: int, names):
+        self.art, self.rank, self._t = art, rank, {}
+        files = set()
+        for n in names:
+            t = art.tensors(rank)[n]
+            if t.format not in DENSE_DT:
+                raise DeviceUnavailable(f"{art.path}: host table {n} is {t.format}; host ops read f32/bf16/f16 tables")
+            files.add(Path(art.path) / t.shard)
+        if files and hasattr(os, "posix_fadvise"):
+            threading.Thread(target=_will_need, args=(sorted(files),), daemon=True).start()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._t:
+            self._t[name] = self.art.parts(name, self.rank)["weight"]
+        return self._t[name]
+
+
+def _will_need(files) -> None:
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        except OSError:                   # advice only: a failure costs speed, never correctness
+            pass
+
+
+class _HostOps:
+    """One program's host ops: their NumPy implementations on host buffers (the pinned input rows,
+    host states, pinned outputs), then the asynchronous copies of the outputs device ops read."""
+
+    def __init__(self, ops: list, plan: dict, bind: dict, host_in, index: dict, dev: dict, state: dict,
+                 tables: HostTables):
+        self.ops, self.tables = ops, tables
+        shapes = plan["buffers"]
+        self.bufs: dict = {n: host_in[i] for n, i in index.items()}
+        self.copies = []                             # (pinned host array, device array)
+        written = {b for o in ops for b in (o[k] for k in P.OPS[o["op"]].writes)}
+        device_reads = {o[k] for prog in P.PROGRAMS for o in plan["programs"][prog]["ops"]
+                        if not P.OPS[o["op"]].host for k in (*P.OPS[o["op"]].reads, *P.OPS[o["op"]].opt_reads)
+                        if k in o}
+        for o in ops:
+            for k in P.OPS[o["op"]].state:
+                self.bufs[o[k]] = state[o[k]]
+        self._mem = []
+        for n in sorted(written):
+            shp, dt = P.shape(shapes[n], bind), DTYPES[shapes[n]["dtype"]]
+            if n in device_reads:
+                m = cp.cuda.alloc_pinned_memory(max(4, int(np.prod(shp)) * np.dtype(dt).itemsize))
+                self._mem.append(m)
+                self.bufs[n] = np.frombuffer(m, dt, int(np.prod(shp))).reshape(shp)
+                self.copies.append((m, self.bufs[n], dev[n]))
+            else:
+                self.bufs[n] = np.zeros(shp, dt)
+        self.seconds, self.runs, self.h2d_bytes = 0.0, 0, 0
+
+    def run(self, stream) -> None:
+        t0 = time.perf_counter()
+        for o in self.ops:
+            NUMPY_OPS[o["op"]].run(o, self.bufs, self.tables)
+        for m, h, d in self.copies:
+            cp.cuda.runtime.memcpyAsync(d.data.ptr, m.ptr, h.nbytes, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            self.h2d_bytes += h.nbytes
+        self.seconds += time.perf_counter() - t0
+        self.runs += 1
+
+
 class CudaExecutor:
     def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
                  rank: int = 0, collectives=None):
@@ -172,8 +272,15 @@ class CudaExecutor:
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
         shapes = {n: b for n, b in self.plan["buffers"].items()}
+        host_ops = {prog: [o for o in self.plan["programs"][prog]["ops"] if P.OPS[o["op"]].host]
+                    for prog in P.PROGRAMS}
+        host_state = {o[k] for ops in host_ops.values() for o in ops for k in P.OPS[o["op"]].state}
+        self.host_state = {n: np.zeros(P.shape(shapes[n], symbols), DTYPES[shapes[n]["dtype"]]) for n in host_state}
+        self.tables = HostTables(art, self.rank, sorted({o[k] for ops in host_ops.values() for o in ops
+                                                         for k in P.OPS[o["op"]].weights}))
+        self.host: dict[str, _HostOps] = {}
         self.state = {n: cp.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
-                      for n, b in shapes.items() if b["kind"] == "state"}
+                      for n, b in shapes.items() if b["kind"] == "state" and n not in host_state}
         self.buffers: dict[str, dict] = {}
         self.inputs: dict[str, tuple] = {}
         self.pinned_out: dict[str, dict] = {}
@@ -202,6 +309,9 @@ class CudaExecutor:
                     bufs[n] = cp.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
             self.buffers[prog] = bufs
             self.inputs[prog] = (dev_in, host_mem, host_in, {n: i for i, n in enumerate(names_in)})
+            if host_ops[prog]:
+                self.host[prog] = _HostOps(host_ops[prog], self.plan, bind, host_in, self.inputs[prog][3], bufs,
+                                           self.host_state, self.tables)
             outs = {}
             for n, b in shapes.items():
                 if b["kind"] == "output":
@@ -230,6 +340,9 @@ class CudaExecutor:
         i = 0
         while i < len(ops):
             op = ops[i]
+            if P.OPS[op["op"]].host:                      # run before the replay (_HostOps)
+                i += 1
+                continue
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             fn = getattr(self, f"_op_{op['op']}", None)
             if fn is None:
@@ -329,12 +442,12 @@ class CudaExecutor:
         x, out = bufs[op["x"]], bufs[op["out"]]
         g = int(op["group"])
         w = self.w.vector(op["weight"], float(op.get("offset") or 0.0))     # offset + weight (Qwen3-Next's norms)
-        if w.size != g or x.size % g:
+        if x.shape[-1] % g or w.size not in (g, x.shape[-1]):               # [group] or as wide as the row
             raise PlanMismatch(f"rmsnorm {op['weight']}: weight of {w.size} values, group {g}, row {x.shape[-1]}")
         groups = x.size // g
         T = 512 if g >= 2048 else 256 if g >= 256 else max(32, -(-g // 32) * 32)
         kern = self.k["rmsnorm_k"]
-        args = (x, out, w, np.int32(g), np.float32(op["eps"]))
+        args = (x, out, w, np.int32(g), np.float32(op["eps"]), np.int32(w.size // g))
         return [lambda: kern((groups,), (T,), args)]
 
     def _op_linear(self, op, bufs, rows, prog, acc=None):
@@ -390,38 +503,52 @@ class CudaExecutor:
         smem = 4 * (D + 2 * nw + nw * D)
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
         self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
-        chunk = self._attn_chunk(H, KV, D) if prog != "decode" else None
+        sel = self._attn_select(op, bufs, rows, ctx) if "select" in op else None   # qwen4_exp's QSA selection
+        chunk = self._attn_chunk(H, KV, D, select=sel is not None) if prog != "decode" else None
         if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
             kc, rb, csmem = chunk
             cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
                      np.int32(ctx), np.float32(op["scale"]))
+            if sel is not None:
+                cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
+            if sel is not None:
+                ka = K.select_kernels()[f"attention_sel_k<{next(d for d in (1, 2, 4, 8) if 32 * d >= D)}>"]
+                aargs = aargs[:5] + sel[1:3] + aargs[5:]
             attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
-        return [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
+        steps = [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
+        return steps if sel is None else [sel[0]] + steps
 
-    def _attn_chunk(self, H: int, KV: int, D: int):
-        """(kernel, rows per CTA, shared bytes) of attn_chunk_k for this head shape, or None (the
-        per-row kernel then serves prompt chunks too)."""
+    def _attn_chunk(self, H: int, KV: int, D: int, select: bool = False):
+        """(kernel, rows per CTA, shared bytes) of attn_chunk_k (attn_chunk_sel_k with `select`) for this
+        head shape, or None (the per-row kernel then serves prompt chunks too)."""
         G = H // KV
         qpt = 2 if D <= 128 and G <= 64 else 1 if D <= 256 and G <= 32 else 0
         if not qpt:
             return None
         qn = 32 * qpt
         dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
-        smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33)
-        kern = self.k[f"attn_chunk_k<{dpl}, {qpt}>"]
+        smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33 + (qn if select else 0))   # + the tile masks
+        kern = (K.select_kernels()[f"attn_chunk_sel_k<{dpl}, {qpt}>"] if select
+                else self.k[f"attn_chunk_k<{dpl}, {qpt}>"])
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
         return kern, qn // G, smem
 
-    def _op_swiglu(self, op, bufs, rows, prog):
-        g, u, out = bufs[op["gate"]], bufs[op["up"]], bufs[op["out"]]
-        kern, args = self.k["swiglu_k"], (g, u, out, np.int32(g.size))
+    def _swiglu(self, g, u, out, limit) -> list:
+        """out = silu(g) * u over g's elements; with a limit, glm5_next's clamp (swiglu_limit_k)."""
+        if limit is None:
+            kern, args = self.k["swiglu_k"], (g, u, out, np.int32(g.size))
+        else:
+            kern, args = self.k["swiglu_limit_k"], (g, u, out, np.int32(g.size), np.float32(limit))
         grid = K.grid1d(g.size)
         return [lambda: kern(grid, (256,), args)]
+
+    def _op_swiglu(self, op, bufs, rows, prog):
+        return self._swiglu(bufs[op["gate"]], bufs[op["up"]], bufs[op["out"]], op.get("limit"))
 
     def _op_add(self, op, bufs, rows, prog):
         a, b, out = bufs[op["a"]], bufs[op["b"]], bufs[op["out"]]
@@ -477,10 +604,7 @@ class CudaExecutor:
         steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
         xu, du = scaled("up", x, x.shape[-1], k)
         steps.append(lambda: up.launch_experts(xu, u, ids, pairs, du))
-        sw = self.k["swiglu_k"]
-        swargs = (g, u, g, np.int32(g.size))
-        swgrid = K.grid1d(g.size)
-        steps.append(lambda: sw(swgrid, (256,), swargs))
+        steps += self._swiglu(g, u, g, op.get("limit"))
         xd, dd = scaled("down", g, inter, 1)
         steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
         cb = self.k["moe_combine_k"]
@@ -513,6 +637,71 @@ class CudaExecutor:
 
     def _op_bias_add(self, op, bufs, rows, prog):
         return BA.launches(op, bufs, rows, self.w)
+
+    # -- qwen4_exp ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py ------------------
+    def _op_hc_expand(self, op, bufs, rows, prog):
+        return HCE.launches(op, bufs, rows, self.w)
+
+    def _op_hc_gate_mix(self, op, bufs, rows, prog):
+        return HGM.launches(op, bufs, rows, self.w)
+
+    def _op_act_scale(self, op, bufs, rows, prog):
+        return AS.launches(op, bufs, rows, self.w)
+
+    def _op_hc_inject(self, op, bufs, rows, prog):
+        return HCI.launches(op, bufs, rows, self.w)
+
+    def _op_ple_gate(self, op, bufs, rows, prog):
+        return PG.launches(op, bufs, rows, self.w)
+
+    def _op_qsa_index(self, op, bufs, rows, prog):
+        return QSA.launches(op, bufs, rows, self.w, scratch=self._pool)
+
+    def _attn_select(self, op, bufs, rows: int, ctx: int) -> tuple:
+        """attention's `select` (ops_src.py attn_select_k, once per row for all heads): each row's listed
+        cache positions <= its position, as an ascending list (the per-row kernel's keys) and a bitmap
+        (the prompt-chunk kernel's masks). (launch, list, list width, bitmap, words per row)."""
+        sel = bufs[op["select"]]
+        if sel.dtype != np.int32 or sel.ndim != 2 or sel.shape[0] != rows:
+            raise PlanMismatch(f"attention {op['select']}: select {sel.dtype} {sel.shape}, i32 [rows {rows}, W] expected")
+        W, nwords = int(sel.shape[1]), -(-ctx // 32)
+        smem = 4 * nwords                                 # the row's bitmap, in shared memory
+        if smem > QSA.SMEM_MAX:
+            raise DeviceUnavailable(f"attention select: ctx {ctx} needs a {smem}-byte bitmap per row in shared memory "
+                                    f"(at most {QSA.SMEM_MAX}); use a smaller --ctx or --device cpu")
+        kern = K.select_kernels()["attn_select_k"]
+        if smem > 48 * 1024 and kern.max_dynamic_shared_size_bytes < smem:
+            kern.max_dynamic_shared_size_bytes = smem
+        lst = self._pool("attention.select_list", (rows, W + 1), np.int32)
+        bits = self._pool("attention.select_bits", (rows, nwords), np.uint32)
+        args = (sel, np.int32(W), bufs[op["pos"]], np.int32(ctx), lst, bits, np.int32(nwords))
+        return (lambda: kern((rows,), (256,), args, shared_mem=smem)), lst, np.int32(W + 1), bits, np.int32(nwords)
+
+    # -- glm5_next ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py ------------------
+    def _op_mhc_weights(self, op, bufs, rows, prog):
+        return MHW.launches(op, bufs, rows, self.w)
+
+    def _op_hc_collapse(self, op, bufs, rows, prog):
+        return HCC.launches(op, bufs, rows, self.w)
+
+    def _op_hc_mean(self, op, bufs, rows, prog):
+        return HCM.launches(op, bufs, rows, self.w)
+
+    def _op_mhc_inject(self, op, bufs, rows, prog):
+        return MHI.launches(op, bufs, rows, self.w)
+
+    def _op_kda(self, op, bufs, rows, prog):
+        return KDA.launches(op, bufs, rows, self.w)
+
+    def _op_layernorm(self, op, bufs, rows, prog):
+        return LN.launches(op, bufs, rows, self.w)
+
+    def _op_dsa_index(self, op, bufs, rows, prog):
+        return DSA.launches(op, bufs, rows, self.w, scratch=self._pool)
+
+    def _op_mla_attention(self, op, bufs, rows, prog):
+        self.flops[prog]["attention_per_key"] += 4 * int(op["heads"]) * int(bufs[op["c"]].shape[-1])
+        return MLA.launches(op, bufs, rows, self.w, scratch=self._pool)
 
     def _row_share(self, name: str, start: int, stop: int) -> G.Linear:
         """A rank's share [start, stop) of a replicated table's rows (the vocab-parallel tied head): views
@@ -557,6 +746,8 @@ class CudaExecutor:
             host_in[index[n]] = v
         cp.cuda.runtime.memcpyAsync(dev_in.data.ptr, host_mem.ptr, dev_in.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if prog in self.host:
+            self.host[prog].run(self.stream)
 
     def _launch(self, prog: str) -> None:
         g = self.graph.get(prog)
@@ -640,13 +831,36 @@ class CudaExecutor:
         """The output buffers on the device (no copy)."""
         return {n: self.buffers[prog][n] for n in self.pinned_out[prog]}
 
+    def host_stats(self) -> dict:
+        """Per program: host-op runs, seconds, bytes copied to the device (the PLE rows)."""
+        return {p: {"runs": h.runs, "seconds": h.seconds, "h2d_bytes": h.h2d_bytes} for p, h in self.host.items()}
+
     def reset(self, slot: int | None = None) -> None:
+        for a in self.host_state.values():
+            if slot is None:
+                a[...] = 0
+            else:
+                a[slot] = 0
         with self.stream:
             for a in self.state.values():
                 if slot is None:
                     a.fill(0)
                 else:
                     a[slot] = 0
+        self.stream.synchronize()
+
+    def copy_state(self, slot: int, names) -> dict:
+        """A copy (on the device) of one slot's state buffers `names`, for set_state."""
+        with self.stream:
+            saved = {n: (self.host_state[n][slot].copy() if n in self.host_state else self.state[n][slot].copy())
+                     for n in names}
+        self.stream.synchronize()
+        return saved
+
+    def set_state(self, slot: int, saved: dict) -> None:
+        with self.stream:
+            for n, a in saved.items():
+                (self.host_state if n in self.host_state else self.state)[n][slot] = a
         self.stream.synchronize()
 
     def weight_nbytes(self) -> int:

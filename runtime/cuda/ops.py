@@ -10,10 +10,14 @@ except Exception:                        # pragma: no cover - depends on the mac
 from .ops_src import SOURCE
 
 NAMES = ("embed_k<0>", "embed_k<1>", "embed_k<2>", "rmsnorm_k", "rope_k", "rope_qk_kv_k", "kv_write_k",
-         "attention_k<1>", "attention_k<2>", "attention_k<4>", "attention_k<8>", *(f"attn_chunk_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "add_k",
+         "attention_k<1>", "attention_k<2>", "attention_k<4>", "attention_k<8>", *(f"attn_chunk_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "swiglu_limit_k", "add_k",
          "scale_cols_k", "scale_cols_e_k", "moe_topk_k", "moe_combine_k", "argmax_k", "advance_k")
+# attention's `select` (qwen4_exp's QSA): a second module of SOURCE, compiled when a plan first has one
+SELECT_NAMES = ("attn_select_k", *(f"attention_sel_k<{d}>" for d in (1, 2, 4, 8)),
+                *(f"attn_chunk_sel_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)))
 OPTIONS = ("-std=c++17",)
 _K: dict = {}
+_S: dict = {}
 
 
 def kernels() -> dict:
@@ -23,6 +27,15 @@ def kernels() -> dict:
         _K.update({n: mod.get_function(n) for n in NAMES})
         _K["_module"] = mod
     return _K
+
+
+def select_kernels() -> dict:
+    """{name: cupy.RawKernel} of SELECT_NAMES (one module, compiled on first use)."""
+    if not _S:
+        mod = cp.RawModule(code=SOURCE, options=OPTIONS, name_expressions=list(SELECT_NAMES))
+        _S.update({n: mod.get_function(n) for n in SELECT_NAMES})
+        _S["_module"] = mod
+    return _S
 
 
 def grid1d(n: int, threads: int = 256, cap: int = 4096) -> tuple[int]:

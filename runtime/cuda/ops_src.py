@@ -45,12 +45,15 @@ __global__ void embed_k(const void *__restrict__ table, const int *__restrict__ 
   }
 }
 
-// rmsnorm over groups of g values: one block per group (blockIdx.x = row * groups + group)
+// rmsnorm over groups of g values: one block per group (blockIdx.x = row * groups + group). The weight is
+// wg groups of g values: wg 1 (one [g] weight for every group) or the row's groups (a weight as wide as
+// the row: qwen4_exp's hyper-connection norms), group j of a row reading weight group j % wg.
 __global__ void rmsnorm_k(const float *__restrict__ x, float *__restrict__ out, const float *__restrict__ w,
-                          int g, float eps) {
+                          int g, float eps, int wg) {
   __shared__ float sh[32];
   const float *px = x + (size_t)blockIdx.x * g;
   float *po = out + (size_t)blockIdx.x * g;
+  w += (size_t)(blockIdx.x % wg) * g;
   float ss = 0.f;
   for (int i = threadIdx.x; i < g; i += blockDim.x) { const float v = px[i]; ss = fmaf(v, v, ss); }
   ss = block_sum(ss, sh);                    // every read of x is done (in place is safe)
@@ -144,20 +147,25 @@ __global__ void kv_write_k(const float *__restrict__ k, const float *__restrict_
 // position, read here). A warp takes 32 keys at a time, a lane per key for the scores (q in shared
 // memory), then the tile's softmax weights are broadcast lane by lane to accumulate V (a lane per
 // head_dim element); online softmax per warp, then the warps are merged. Inactive rows: zeros.
-// D % 4 == 0, D <= 32 * DPL.
-template <int DPL>
-__global__ void attention_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
-                            const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
-                            int H, int KV, int D, int ctx, float scale) {
+// D % 4 == 0, D <= 32 * DPL. With SEL (attention_sel_k: the op's `select`), the keys are the row's
+// entries of attn_select_k's compact list (list[r * lw] = n, then n ascending unique positions, each
+// <= the row's position) in place of 0..pos: key j of the walk is position L[j]; n == 0 gives zeros.
+template <int DPL, bool SEL>
+__device__ __forceinline__ void attend_row(const float *__restrict__ q, const float *__restrict__ ck,
+                                           const float *__restrict__ cv, const int *__restrict__ pos,
+                                           const int *__restrict__ slot, const int *__restrict__ list, int lw,
+                                           float *__restrict__ out, int H, int KV, int D, int ctx, float scale) {
   extern __shared__ float sh[];
   const int h = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int p = pos[r];
   float *o = out + ((size_t)r * H + h) * D;
-  if (p < 0) {
+  const int *L = SEL ? list + (size_t)r * lw + 1 : nullptr;
+  const int nsel = SEL && p >= 0 ? L[-1] : 1;
+  if (p < 0 || nsel <= 0) {
     for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = 0.f;
     return;
   }
-  const int pe = min(p, ctx - 1);
+  const int pe = SEL ? nsel - 1 : min(p, ctx - 1);      // the walk's last key (SEL: its index in L)
   const int s = slot[r], kvh = h / (H / KV);
   const size_t rs = (size_t)KV * D;
   const float *K = ck + (size_t)s * ctx * rs + (size_t)kvh * D;
@@ -172,7 +180,7 @@ __global__ void attention_k(const float *__restrict__ q, const float *__restrict
     const int t = t0 + lane;
     float sc = NEG_INF;
     if (t <= pe) {
-      const float *kr = K + (size_t)t * rs;
+      const float *kr = K + (size_t)(SEL ? L[t] : t) * rs;
       float d = 0.f;
 #pragma unroll
       for (int i = 0; i < 32 * DPL; i += 4) {      // unrolled: the row's loads are independent, all in flight
@@ -200,7 +208,9 @@ __global__ void attention_k(const float *__restrict__ q, const float *__restrict
       float vv[8][DPL];
 #pragma unroll
       for (int u = 0; u < 8; u++) {
-        const float *vr = V + (size_t)(t0 + jb + u) * rs;
+        const float *vr;
+        if constexpr (SEL) vr = V + (size_t)(jb + u < nt ? L[t0 + jb + u] : 0) * rs;
+        else vr = V + (size_t)(t0 + jb + u) * rs;
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
           const int d = lane + 32 * i;
@@ -236,14 +246,34 @@ __global__ void attention_k(const float *__restrict__ q, const float *__restrict
   }
 }
 
+template <int DPL>
+__global__ void attention_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
+                            const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+                            int H, int KV, int D, int ctx, float scale) {
+  attend_row<DPL, false>(q, ck, cv, pos, slot, nullptr, 0, out, H, KV, D, ctx, scale);
+}
+
+template <int DPL>
+__global__ void attention_sel_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
+                                const int *__restrict__ pos, const int *__restrict__ slot,
+                                const int *__restrict__ list, int lw, float *__restrict__ out,
+                                int H, int KV, int D, int ctx, float scale) {
+  attend_row<DPL, true>(q, ck, cv, pos, slot, list, lw, out, H, KV, D, ctx, scale);
+}
+
 // Prompt-chunk attention: one CTA per (kv head, block of RB rows). Its QN = 32 * QPT query vectors (RB
 // rows x the G = H / KV query heads of the kv head) walk the cache in tiles of 32 keys staged in shared
 // memory: each key and value row is read once per CTA, not once per (query head, row). Each score is
 // the same float32 FMA chain over d as attention_k's; online softmax per query vector. A CTA's rows
 // share one slot (a prefill chunk's do): a row of another slot gets NaN, never another slot's keys.
-template <int DPL, int QPT>
-__global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const float *__restrict__ ck,
-    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+// With SEL (attn_chunk_sel_k: the op's `select`), each row's keys are those of its bitmap (attn_select_k:
+// bits[r * nw + t / 32] bit t % 32, written for t <= the row's position) AND the causal bound: a tile's
+// bit masks are staged per row (Ms, QN words after Ps) and a tile no row selects is skipped; a row
+// whose list is empty (list[r * lw] == 0) gives zeros.
+template <int DPL, int QPT, bool SEL>
+__device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const float *__restrict__ ck,
+    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
+    const int *__restrict__ list, int lw, const unsigned *__restrict__ bits, int nwords, float *__restrict__ out,
     int rows, int H, int KV, int D, int ctx, float scale) {
   constexpr int QN = 32 * QPT, KT = 32, RW = QN / 8, PS = KT + 1;
   extern __shared__ float sh[];
@@ -251,6 +281,7 @@ __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q,
   __shared__ int lead, smax;
   const int DP = D + 1, G = H / KV, RB = QN / G;
   float *Qs = sh, *Ks = Qs + QN * DP, *Vs = Ks + KT * DP, *Ps = Vs + KT * D;
+  u32 *Ms = reinterpret_cast<u32 *>(Ps + QN * PS);
   const int kvh = blockIdx.x, r0 = blockIdx.y * RB, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   if (tid == 0) {
     int l = -1;
@@ -262,6 +293,7 @@ __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q,
     const int r = r0 + tid / G;
     int p = -1;
     if (tid < RB * G && r < rows && pos[r] >= 0) p = slot[r] == lead ? min(pos[r], ctx - 1) : -2;
+    if (SEL && p >= 0 && list[(size_t)r * lw] == 0) p = -1;
     qpos[tid] = p;
     atomicMax(&smax, p);
   }
@@ -284,6 +316,12 @@ __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q,
   const int qa = (tid >> 3) * QPT, kj = tid & 7;
   for (int t0 = 0; t0 <= tmax; t0 += KT) {
     __syncthreads();                                   // the last tile's K, V and P are no longer read
+    if constexpr (SEL) {                               // the tile's selected keys, per row (KT == 32: one word)
+      u32 mk = 0;
+      if (tid < RB && r0 + tid < rows && qpos[tid * G] >= 0) mk = bits[(size_t)(r0 + tid) * nwords + (t0 >> 5)];
+      if (tid < RB) Ms[tid] = mk;
+      if (!__syncthreads_or(mk != 0u)) continue;       // no row takes a key of this tile (uniform)
+    }
     for (int i = tid; i < KT * D; i += blockDim.x) {
       const int j = i / D, d = i - j * D, t = t0 + j;
       const bool ok = t <= tmax;
@@ -312,7 +350,8 @@ __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q,
 #pragma unroll
       for (int u = 0; u < 4; u++) {
         const int j = kj + 8 * u;
-        Ps[(qa + a) * PS + j] = (t0 + j <= qpos[qa + a]) ? s[a][u] * scale : NEG_INF;
+        Ps[(qa + a) * PS + j] = (t0 + j <= qpos[qa + a] && (!SEL || ((Ms[(qa + a) / G] >> j) & 1u)))
+                                    ? s[a][u] * scale : NEG_INF;
       }
     __syncthreads();
     float c[RW];
@@ -365,11 +404,91 @@ __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q,
   }
 }
 
+template <int DPL, int QPT>
+__global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const float *__restrict__ ck,
+    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+    int rows, int H, int KV, int D, int ctx, float scale) {
+  attend_chunk<DPL, QPT, false>(q, ck, cv, pos, slot, nullptr, 0, nullptr, 0, out, rows, H, KV, D, ctx, scale);
+}
+
+template <int DPL, int QPT>
+__global__ void __launch_bounds__(256) attn_chunk_sel_k(const float *__restrict__ q, const float *__restrict__ ck,
+    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
+    const int *__restrict__ list, int lw, const unsigned *__restrict__ bits, int nwords, float *__restrict__ out,
+    int rows, int H, int KV, int D, int ctx, float scale) {
+  attend_chunk<DPL, QPT, true>(q, ck, cv, pos, slot, list, lw, bits, nwords, out, rows, H, KV, D, ctx, scale);
+}
+
+// block-wide exclusive prefix sum of v (blockDim.x a multiple of 32, <= 1024; sh: 32 ints); *total gets
+// the block's sum. Ends with a barrier: sh may be reused at once.
+__device__ __forceinline__ int block_excl_scan(int v, int *sh, int *total) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) { const int y = __shfl_up_sync(0xffffffffu, x, o); if (lane >= o) x += y; }
+  if (lane == 31) sh[w] = x;
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int i = 0; i < nw; i++) { const int t = sh[i]; before += i < w ? t : 0; all += t; }
+  __syncthreads();
+  *total = all;
+  return before + x - v;
+}
+
+// attention's `select` (qwen4_exp's QSA), once per row for every head: the row's entries sel[r, 0..W)
+// that are cache positions 0..min(pos, ctx - 1) (-1 and out-of-range ones skipped, repeats counted
+// once, any order), as a bitmap bits[r, 0..pe/32] (the prompt-chunk kernel's masks) and as the
+// ascending list list[r] = {n, t_0 < ... < t_n-1} (the per-row kernel's keys); an inactive row: n = 0.
+// One block per row; dynamic shared memory: the row's bitmap, nwords = ceil(ctx / 32) words.
+__global__ void attn_select_k(const int *__restrict__ sel, int W, const int *__restrict__ pos, int ctx,
+                              int *__restrict__ list, u32 *__restrict__ bits, int nwords) {
+  extern __shared__ u32 bm[];
+  __shared__ int sh[32];
+  const int r = blockIdx.x, p = pos[r];
+  int *lr = list + (size_t)r * (W + 1);
+  if (p < 0) {
+    if (threadIdx.x == 0) lr[0] = 0;
+    return;
+  }
+  const int pe = min(p, ctx - 1), nw = pe / 32 + 1;
+  for (int i = threadIdx.x; i < nw; i += blockDim.x) bm[i] = 0u;
+  __syncthreads();
+  for (int j = threadIdx.x; j < W; j += blockDim.x) {
+    const int t = sel[(size_t)r * W + j];
+    if (t >= 0 && t <= pe) atomicOr(&bm[t >> 5], 1u << (t & 31));
+  }
+  __syncthreads();
+  int carry = 0;
+  for (int b0 = 0; b0 < nw; b0 += blockDim.x) {
+    const int i = b0 + threadIdx.x;
+    u32 word = i < nw ? bm[i] : 0u;
+    if (i < nw) bits[(size_t)r * nwords + i] = word;
+    int tot;
+    int at = carry + block_excl_scan(__popc(word), sh, &tot) + 1;
+    while (word) {
+      const int b = __ffs(word) - 1;
+      lr[at++] = i * 32 + b;
+      word &= word - 1u;
+    }
+    carry += tot;
+  }
+  if (threadIdx.x == 0) lr[0] = carry;
+}
+
 // swiglu: out = silu(gate) * up, silu(x) = x / (1 + exp(-x))
 __global__ void swiglu_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const float a = g[i];
     out[i] = __fmul_rn(a / (1.0f + expf(-a)), u[i]);
+  }
+}
+
+// swiglu with glm5_next's clamp (the op's `limit`): out = silu(min(gate, L)) * clip(up, -L, L)
+__global__ void swiglu_limit_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n,
+                               float L) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float a = fminf(g[i], L), b = fminf(fmaxf(u[i], -L), L);
+    out[i] = __fmul_rn(a / (1.0f + expf(-a)), b);
   }
 }
 

@@ -5,6 +5,11 @@ to its slot's cache rows 0..pos[r] (so a prompt chunk is causal within itself, a
 comes from the positions buffer). Query head h reads KV head h // (heads / kv_heads), as HF's
 repeat_kv. Softmax in float32 with the row maximum subtracted. Inactive rows give zeros.
 cache: [slots, ctx, kv_heads, head_dim]; q/out: [rows, heads*head_dim]; k/v: [rows, kv_heads*head_dim].
+
+Optional read `select` i32 [rows, W] (qwen4_exp's QSA: qsa_index's output): row r attends only
+over the cache positions listed in select[r] that are <= pos[r] (-1 entries skipped, order and
+repeats irrelevant): HF's causal mask AND the indexer's selection mask. A row left with no
+position gives zeros. Without `select`, every position 0..pos[r].
 """
 
 import numpy as np
@@ -31,9 +36,19 @@ def run(op, buf, w):
         V = cv[s, :L].transpose(1, 0, 2)                          # [KV, L, D]
         Q = q[r].reshape(n, KV, G, D).transpose(1, 2, 0, 3).reshape(KV, G * n, D)
         S = (Q @ K).reshape(KV, G, n, L) * scale
-        S[..., np.arange(L)[None, :] > p[:, None]] = -np.inf      # causal: keys after the row's position
+        masked = np.arange(L)[None, :] > p[:, None]                # causal: keys after the row's position
+        alive = None
+        if "select" in op:
+            sel = buf[op["select"]][r]
+            keep = np.zeros((n, L + 1), bool)                     # column L takes -1 and out-of-range
+            keep[np.arange(n)[:, None], np.where((sel >= 0) & (sel < L), sel, L)] = True
+            masked |= ~keep[:, :L]
+            alive = ~masked.all(axis=-1)
+            masked &= alive[:, None]                              # a row left empty: zeroed below
+        S[..., masked] = -np.inf
         S -= S.max(axis=-1, keepdims=True)
         np.exp(S, out=S)
         S /= S.sum(axis=-1, keepdims=True)
         O = S.reshape(KV, G * n, L) @ V                           # [KV, G*n, D]
-        out[r] = O.reshape(KV, G, n, D).transpose(2, 0, 1, 3).reshape(n, H * D)
+        o = O.reshape(KV, G, n, D).transpose(2, 0, 1, 3).reshape(n, H * D)
+        out[r] = o if alive is None else o * alive[:, None]

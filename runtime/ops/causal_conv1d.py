@@ -1,19 +1,24 @@
 """causal_conv1d: a causal depthwise conv1d over channels followed by SiLU, with a per-slot window
 of the last inputs kept as state (Qwen3-Next's gated delta net: HF's `causal_conv1d_fn` on a
-prompt and `causal_conv1d_update` on a decode step, activation "silu").
+prompt and `causal_conv1d_update` on a decode step, activation "silu"; qwen4_exp's per-layer
+embedding: Qwen4ExpTextPLELayer._short_conv, `silu(conv1d(...))` with dilation `ngram_size`).
 
-Keys: x f32 [rows, C] (C channels: the gated delta net's q|k|v channels, HF's `mixed_qkv`),
-pos i32 [rows], slot i32 [rows]; state f32 [slots, kernel-1, C] (the slot's last kernel-1 inputs,
-oldest first); out f32 [rows, C] (may be x); weight: the conv weight as HF stores it, [C, 1, kernel]
-(or [C, kernel]), no bias (Qwen3-Next's conv has none); attr kernel.
+Keys: x f32 [rows, C] (C channels: the gated delta net's q|k|v channels, HF's `mixed_qkv`; the
+PLE's n*D normed gated values), pos i32 [rows], slot i32 [rows]; state f32
+[slots, (kernel-1)*dilation, C] (the slot's last (kernel-1)*dilation inputs, oldest first); out
+f32 [rows, C] (may be x); weight: the conv weight as HF stores it, [C, 1, kernel] (or [C, kernel]),
+no bias (neither conv has one); attr kernel; optional dilation (default 1); optional channels
+[a, b]: the op's C channels are rows a..b of the weight (glm5_next's fused [q | k | v] conv,
+read by three ops).
 
-    out[t, c] = silu(sum_j weight[c, j] * u[t - kernel + 1 + j, c])
+    out[t, c] = silu(sum_j weight[c, j] * u[t - (kernel - 1 - j) * dilation, c])
 
 where u is the slot's input sequence (weight[c, kernel-1] multiplies the current row, as HF's
-cross-correlating F.conv1d with kernel-1 zeros of left padding). Rows are taken in order, each
-one continuing its slot's sequence; a row whose position is 0 starts a new sequence (the
-window before it is zeros: the state is reset); a row with a negative position is inactive
-(output zeros, no state change). After the op, state[s] holds the slot's last kernel-1 inputs.
+cross-correlating F.conv1d with (kernel-1)*dilation zeros of left padding). Rows are taken in
+order, each one continuing its slot's sequence; a row whose position is 0 starts a new sequence
+(the window before it is zeros: the state is reset); a row with a negative position is inactive
+(output zeros, no state change). After the op, state[s] holds the slot's last
+(kernel-1)*dilation inputs.
 """
 
 import numpy as np
@@ -38,19 +43,23 @@ def runs(pos, slot):
 def run(op, buf, w):
     x, pos, slot = buf[op["x"]], buf[op["pos"]], buf[op["slot"]]
     state, out = buf[op["state"]], buf[op["out"]]
-    K = int(op["kernel"])
-    wt = w[op["weight"]].reshape(x.shape[1], K)              # [C, K]
+    K, dil = int(op["kernel"]), int(op.get("dilation", 1))
+    W = (K - 1) * dil                                         # the window's length
+    wt = w[op["weight"]].reshape(-1, K)                       # [C, K]
+    if "channels" in op:                                      # rows [a, b) of a fused conv weight
+        wt = wt[op["channels"][0]:op["channels"][1]]
+    wt = wt.reshape(x.shape[1], K)
     y = np.zeros_like(x)
     final = {}
     for s, r, reset in runs(pos, slot):
-        win = np.zeros((K - 1, x.shape[1]), np.float32) if reset else state[s]
-        u = np.concatenate([win, x[r]], axis=0)               # [K-1+n, C]
+        win = np.zeros((W, x.shape[1]), np.float32) if reset else state[s]
+        u = np.concatenate([win, x[r]], axis=0)               # [W+n, C]
         n = r.size
         acc = u[0:n] * wt[:, 0]
         for j in range(1, K):
-            acc += u[j:j + n] * wt[:, j]
+            acc += u[j * dil:j * dil + n] * wt[:, j]
         y[r] = silu(acc)
-        final[s] = u[u.shape[0] - (K - 1):]
+        final[s] = u[u.shape[0] - W:]
     for s, win in final.items():
         state[s] = win
     out[...] = y

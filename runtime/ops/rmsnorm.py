@@ -2,6 +2,8 @@
 Qwen3's q/k norms): x * 1/sqrt(mean(x^2) + eps) * (offset + weight), as HF's LlamaRMSNorm in
 float32. `offset` (optional, default 0) is 1.0 for the families whose norms store weight - 1
 (Qwen3-Next's Qwen3NextRMSNorm: `output * (1.0 + weight)`, the sum taken in float32 first).
+The weight is [group] (shared by every group) or the row's whole width [n*group] (one weight
+per value: qwen4_exp's hyper-connection norms, Qwen4ExpTextRMSNorm with group_size).
 `normalize` is the normalization alone, shared with rmsnorm_gated."""
 
 import numpy as np
@@ -20,4 +22,4 @@ def run(op, buf, w):
     wt = w[op["weight"]]
     if op.get("offset"):
         wt = np.float32(op["offset"]) + wt
-    buf[op["out"]][...] = (y * wt).reshape(x.shape)
+    buf[op["out"]][...] = (y * wt.reshape(-1, op["group"])).reshape(x.shape)
