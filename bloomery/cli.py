@@ -39,6 +39,7 @@ def main():
     bloomery prepare <folder> <out>        compile a checkpoint into an artifact
     bloomery run <artifact> --prompt TEXT  generate text (NumPy executor on the CPU)
     bloomery logits <artifact> --ids F     teacher-forced logits of a token-id list
+    bloomery serve -m <artifact|folder>    an OpenAI-compatible HTTP server
     bloomery levers                        the environment switches and their cost
     """
 
@@ -360,6 +361,80 @@ def run(artifact, prompt, raw, max_tokens, temperature, top_k, top_p, seed, ctx_
     click.echo(f"[{g.device}, tp {eng.art.tp}] load {load_s:.2f} s | prompt {len(g.prompt_ids)} tokens, "
                f"{g.prompt_tps:.1f} tok/s | decode {len(g.token_ids)} tokens, {g.decode_tps:.1f} tok/s "
                f"| stop: {g.stop}", err=True)
+
+
+@main.command(context_settings={"max_content_width": 100})
+@click.option("-m", "--model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="An artifact (from `bloomery prepare`) or a ModelOpt checkpoint folder (compiled in memory "
+              "at start: nothing is written).")
+@click.option("-c", "--ctx-size", type=click.IntRange(0), default=0, show_default=True,
+              help="Context of each slot, in tokens (prompt + reply); 0: the model's, at most 4096. A longer "
+              "prompt is refused (400); a reply that fills it ends with finish_reason \"length\".")
+@click.option("-np", "--parallel", type=click.IntRange(1), default=4, show_default=True,
+              help="Slots: requests decoded together, one row each of the same decode step.")
+@click.option("-ub", "--ubatch-size", type=click.IntRange(1), default=None,
+              help="Prompt tokens per prefill chunk; a new prompt is fed a chunk at a time between decode "
+              "steps  [default: 512 on a GPU, 64 on the CPU].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every "
+              "interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="BLOOMERY_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (or set BLOOMERY_API_KEY).")
+@click.option("-n", "--n-predict", type=int, default=-1, show_default=True,
+              help="Tokens to generate when a request sets no max_tokens; -1: until a stop or the context is full.")
+@click.option("--alias", default=None, help="The model id clients name (GET /v1/models)  [default: the "
+              "folder's name].")
+@click.option("--device", type=_DEVICE, default="auto", show_default=True,
+              help="auto: cuda when CuPy and a GPU are present, else cpu.")
+@click.option("--tp", type=click.IntRange(1), default=None,
+              help="Tensor-parallel ranks: a checkpoint folder is compiled for this many (default 1); an "
+              "artifact runs at the TP it was prepared with.")
+@click.option("--metrics", is_flag=True, help="Serve GET /metrics (Prometheus text).")
+@click.option("--max-queue", type=click.IntRange(0), default=64, show_default=True,
+              help="Requests that may wait for a slot; past that a request gets 503 with Retry-After.")
+@click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True,
+              help="CPU BLAS threads.")
+@refusals
+def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
+          max_queue, threads):
+    """Serve a model over HTTP with the OpenAI API (llama-server's flags).
+
+    Each of the --parallel slots holds one request: the slots that generate are decoded
+    together, one row each of one decode step, so the weights are read once per step for
+    all of them; a new request's prompt is fed in --ubatch-size chunks between decode
+    steps and its slot then joins the step (continuous batching). More requests than slots
+    wait in a queue of --max-queue. A request starts in an empty slot, or in the slot that
+    already holds the start of its prompt (the previous turn of a conversation, a shared
+    system prompt): those tokens are not computed again (cache_prompt, on by default; the
+    reply is the same either way).
+
+    \b
+    Endpoints:
+      GET  /health                503 while the model loads, then {"status": "ok"}
+      GET  /v1/models             the model id (--alias)
+      POST /v1/chat/completions   messages, through the model's chat template
+      POST /v1/completions        a raw prompt (text or token ids)
+      GET  /metrics               Prometheus text (with --metrics)
+    Request fields: max_tokens (or max_completion_tokens), temperature (default 1; 0:
+    greedy), top_p, top_k, seed, stop, stop_token_ids, stream, stream_options.include_usage,
+    cache_prompt. Unknown fields are ignored; a wrong one is a 400 that names it.
+
+    \b
+    Examples:
+      bloomery serve -m ./smollm2.art
+      bloomery serve -m ./SmolLM2-135M-Instruct-NVFP4 -np 8 -c 2048 --metrics
+      BLOOMERY_API_KEY=secret bloomery serve -m ./qwen3.art --host 0.0.0.0 --port 8000
+      curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+
+    At start one line says what was chosen (device, TP, slots, context, ubatch, memory)
+    and which flag changes each. Ctrl-C stops the server. docs/serve.md has the rest.
+    """
+    from bloomery.serve import Settings, serve as run_server
+
+    sys.exit(run_server(Settings(model=model, ctx=ctx_size or None, parallel=parallel, ubatch=ubatch_size,
+                                 host=host, port=port, api_key=api_key or None, n_predict=n_predict, alias=alias,
+                                 device=device, tp=tp, metrics=metrics, threads=threads, max_queue=max_queue)))
 
 
 @main.command()

@@ -4,6 +4,7 @@
     logits = eng.prefill(ids)                  # [n, vocab] float32, appended to slot 0's sequence
     logits, next_ids = eng.decode([tok])       # one row per slot
     eng.reset()
+    snap = eng.snapshot(s); eng.rewind(s, n, snap)   # a slot back to its first n tokens (prompt reuse)
 
 The runtime's only way into the artifact is the artifact reader; the plan says everything
 model-specific, so this file knows no model family.
@@ -47,6 +48,10 @@ class Engine:
         self.device = devices.resolve(device)
         if self.device == "cuda" and self.art.tp > 1:       # one process per rank, rank r on GPU r
             n = devices.gpu_count()
+            if getattr(self.art, "in_memory", False):
+                raise DeviceUnavailable(f"{self.art.path}: tp={self.art.tp} on CUDA runs one process per rank, "
+                                        f"each opening the artifact from disk: prepare it first (bloomery "
+                                        f"prepare --tp {self.art.tp}), or use --tp 1")
             if n < self.art.tp:
                 if device == "auto":
                     self.device = "cpu"
@@ -82,6 +87,11 @@ class Engine:
             self._check_formats()
             self.exec = NumpyExecutor(self.plans, self.weights, symbols)
         self.lengths = np.zeros(slots, np.int64)
+        # state kept per slot that is not indexed by position (conv windows, delta-rule states): a
+        # slot's first n tokens are restored from a snapshot; KV rows past n are simply rewritten
+        self.recurrent = [n for n, b in self.plans[0]["buffers"].items()
+                          if b["kind"] == "state" and "ctx" not in b["shape"]]
+        self._blank = self.snapshot(0)         # the recurrent state of a slot before any token
         md = self.art.metadata(0)
         self.eos_ids = [int(e) for e in md.get("bloomery.eos_token_ids", [])]
         self.bos_id = md.get("tokenizer.ggml.bos_token_id")
@@ -108,6 +118,42 @@ class Engine:
             self.lengths[:] = 0
         else:
             self.lengths[slot] = 0
+
+    def snapshot(self, slot: int):
+        """A copy of the slot's recurrent state at its present length, for rewind ({} when the model
+        keeps none; None when the executor cannot copy it: TP ranks on CUDA, which then recompute)."""
+        if not self.recurrent:
+            return {}
+        copy = getattr(self.exec, "copy_state", None)
+        return None if copy is None else copy(slot, self.recurrent)
+
+    def rewind(self, slot: int, length: int, snap=None) -> None:
+        """Keeps the slot's first `length` tokens (0: none, a new sequence): their KV rows stay and
+        the rows past `length` are left as they are, never seen (attention reads rows 0..pos, each
+        written before it is read); the recurrent state comes from `snap`, a snapshot taken when
+        the slot held exactly those tokens (at 0: the state of a slot before any token)."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {int(self.lengths[slot])} tokens; cannot keep {length}")
+        if length == 0:
+            snap = self._blank
+        if self.recurrent:
+            if snap is None and length == 0:          # an executor that cannot copy state: clear it all
+                self.exec.reset(slot)
+            elif not snap:
+                raise ValueError(f"slot {slot}: the model keeps recurrent state; rewinding needs a snapshot")
+            else:
+                self.exec.set_state(slot, snap)
+        self.lengths[slot] = length
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held: the weights as the executor keeps them (float32 on the CPU, stored bytes on a
+        GPU) and the per-slot state (KV cache and recurrent states) of every rank."""
+        weights = (sum(w.nbytes() for w in self.weights) if self.weights is not None
+                   else int(self.exec.weight_nbytes()))
+        bind = {"slots": self.slots, "ubatch": self.ubatch, "ctx": self.ctx}
+        state = sum(int(np.prod(P.shape(b, bind))) * 4 for p in self.plans for b in p["buffers"].values()
+                    if b["kind"] == "state")
+        return {"weights": weights, "state": state}
 
     def check_ids(self, ids: Sequence[int], what: str = "token ids") -> np.ndarray:
         a = np.asarray(ids, dtype=np.int64).reshape(-1)

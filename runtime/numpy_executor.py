@@ -69,6 +69,15 @@ class NumpyExecutor:
                 else:
                     a[slot] = 0
 
+    def copy_state(self, slot: int, names) -> list[dict]:
+        """A copy of one slot's state buffers `names` (every rank's), for set_state."""
+        return [{n: st[n][slot].copy() for n in names} for st in self.state]
+
+    def set_state(self, slot: int, saved: list[dict]) -> None:
+        for st, d in zip(self.state, saved):
+            for n, a in d.items():
+                st[n][slot] = a
+
 
 def _check_lockstep(plans: list[dict]) -> None:
     """The ranks' programs must hold the same ops in the same order, collectives identical."""

@@ -30,6 +30,11 @@ class Text:
 
     def render(self, prompt: str) -> str:
         """The chat template applied to one user message, with the assistant's turn opened."""
+        return self.render_messages([{"role": "user", "content": prompt}])
+
+    def render_messages(self, messages: list[dict]) -> str:
+        """The chat template applied to a conversation ([{"role", "content"}, ...]), with the
+        assistant's turn opened."""
         if not self.template:
             raise NoTokenizer(f"{self.where}: the artifact holds no chat template; use --raw")
         from jinja2.ext import loopcontrols
@@ -42,13 +47,16 @@ class Text:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
+            messages=messages, add_generation_prompt=True,
             bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_ids[0] if self.eos_ids else None))
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if raw:
             return self.tok.encode(prompt, add_special_tokens=True).ids
-        return self.tok.encode(self.render(prompt), add_special_tokens=False).ids
+        return self.encode_messages([{"role": "user", "content": prompt}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        return self.tok.encode(self.render_messages(messages), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
