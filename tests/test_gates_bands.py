@@ -120,8 +120,9 @@ def test_router_ties_are_left_out_and_counted_but_hide_no_defect(monkeypatch):
 def test_too_many_ties_is_an_error():
     a = np.zeros((1000, 4), np.float32)
     m = np.full(1000, 1.0)
-    m[:5] = 0.0                                  # 0.5%: left out
-    assert gates.compare([a], [a], [m])["ties_excluded"] == 5
-    m[:6] = 0.0
-    with pytest.raises(gates.GateError, match="6 of 1000 positions are router ties"):
+    limit = int(gates.MAX_TIES * 1000)
+    m[:limit] = 0.0                              # at MAX_TIES (1%): left out
+    assert gates.compare([a], [a], [m])["ties_excluded"] == limit
+    m[:limit + 1] = 0.0
+    with pytest.raises(gates.GateError, match=f"{limit + 1} of 1000 positions are router ties"):
         gates.compare([a], [a], [m])
