@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from bloomery.core import ngram
 from bloomery.core import plan as P
 from bloomery.core import specs
 from bloomery.core.errors import MissingTensor, UnsupportedConfig
@@ -117,6 +118,14 @@ class _Decoder:
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight="output_norm", out=xn, eps=self.eps, group=self.hidden, **self.norm_attrs)
         self.head(xn)
+
+    def streams(self, tokens: str, n: int) -> str:
+        """The flagships' residual: n streams side by side [rows, n*D], each the embedding."""
+        e = self.rows("embd", self.hidden)
+        self.op("embed", ids=tokens, weight="token_embd", out=e)
+        X = self.rows("streams", n * self.hidden)
+        self.op("hc_expand", x=e, out=X, n=n)
+        return X
 
     def layer(self, bid: int, h: str) -> None:
         self.attention(bid, h)
@@ -367,15 +376,9 @@ class _Qwen4Exp(_Qwen3Next):
         self.ple_kernel = int(g("ple.conv_kernel"))
         self.ple_index = 0
 
-    def norm1(self, x: str, weight: str, out: str, group: int) -> None:
-        self.op("rmsnorm", x=x, weight=weight, out=out, eps=self.eps, group=group, offset=1.0)
-
     def forward(self, tokens: str) -> None:
-        D, n = self.hidden, self.n
-        e = self.rows("embd", D)
-        self.op("embed", ids=tokens, weight="token_embd", out=e)
-        X = self.rows("streams", n * D)
-        self.op("hc_expand", x=e, out=X, n=n)
+        n = self.n
+        X = self.streams(tokens, n)
         for bid in range(self.layers):
             b = f"blk.{bid}."
             if b + "ple_table" in self.t:
@@ -394,7 +397,7 @@ class _Qwen4Exp(_Qwen3Next):
         injection weights [rows, n] or None)."""
         D, n = self.hidden, self.n
         xn = self.rows("hc_xn", n * D)
-        self.norm1(X, p + "_norm", xn, D)
+        self.norm(X, p + "_norm", xn, D)
         d = self.linear(xn, p + "_down", "hc_low")
         self.op("act_scale", x=d, out=d, act="silu", scale=1.0 / n)
         w = self.linear(d, p + "_up", "hc_mix")
@@ -410,8 +413,6 @@ class _Qwen4Exp(_Qwen3Next):
         """Qwen4ExpTextPLELayer: X += gv + silu(dilated conv(norm_conv(gv))), gv_i = sigmoid(g_i) v
         with g_i the signed square root of norm_key(key(e))_i . norm_query(X)_i / sqrt(D) and
         v = value(e), e the layer's n-gram embedding (ngram_hash and host_embed on the host)."""
-        from bloomery.core import ngram
-
         b, D, n = f"blk.{bid}.", self.hidden, self.n
         G = (self.ngram_size - 1) * self.heads_per_ngram
         tab = ngram.tables(self.vocab, self.ngram_size, self.heads_per_ngram, *self.ple_args, self.ple_index,
@@ -426,14 +427,14 @@ class _Qwen4Exp(_Qwen3Next):
         e = self.rows(f"ple_e.{bid}", G * width)
         self.op("host_embed", ids=ids, out=e, table=b + "ple_table", heads=G)
         kn = self.linear(e, b + "ple_key", "ple_k")
-        self.norm1(kn, b + "ple_norm_key", kn, D)
+        self.norm(kn, b + "ple_norm_key", kn, D)
         v = self.linear(e, b + "ple_value", "ple_v")
         qn = self.rows("ple_q", n * D)
-        self.norm1(X, b + "ple_norm_query", qn, D)
+        self.norm(X, b + "ple_norm_query", qn, D)
         gv = self.rows("ple_gv", n * D)
         self.op("ple_gate", kn=kn, qn=qn, v=v, out=gv, n=n)
         gn = self.rows("ple_gn", n * D)
-        self.norm1(gv, b + "ple_norm_conv", gn, D)
+        self.norm(gv, b + "ple_norm_conv", gn, D)
         conv = self.buf(f"ple_conv.{bid}", ["slots", (self.ple_kernel - 1) * self.ngram_size, n * D], kind="state")
         self.op("causal_conv1d", x=gn, pos="positions", slot="slot_ids", state=conv, out=gn,
                 weight=b + "ple_conv1d", kernel=self.ple_kernel, dilation=self.ngram_size)
@@ -472,12 +473,12 @@ class _Qwen4Exp(_Qwen3Next):
         self.op("split_groups", x=qg, out=q, rest=gate, groups=self.heads, widths=[hd, hd], split=1)
         k = self.linear(m, b + "attn_k", "k")
         v = self.linear(m, b + "attn_v", "v")
-        self.norm1(q, b + "attn_q_norm", q, hd)
-        self.norm1(k, b + "attn_k_norm", k, hd)
+        self.norm(q, b + "attn_q_norm", q, hd)
+        self.norm(k, b + "attn_k_norm", k, hd)
         qk = self.linear(m, b + "idx_qk", "idx_qk")
         iq, ik = self.rows("idx_q", Hi * Di), self.rows("idx_k", Di)
         self.op("split_groups", x=qk, out=iq, rest=ik, groups=1, widths=[Hi * Di, Di], split=1)
-        self.norm1(iq, b + "idx_q_norm", iq, Di)
+        self.norm(iq, b + "idx_q_norm", iq, Di)
         rot = self.rope_extra.get("rotary_dim", hd)
         self.op("rope", x=iq, pos="positions", out=iq, heads=Hi, head_dim=Di, theta=self.theta, rotary_dim=rot)
         cache = self.buf(f"qsa.{bid}", ["slots", "ctx", Di], kind="state")
@@ -533,10 +534,7 @@ class _Glm5Next(_Decoder):
 
     def forward(self, tokens: str) -> None:
         D, n = self.hidden, self.n
-        e = self.rows("embd", D)
-        self.op("embed", ids=tokens, weight="token_embd", out=e)
-        X = self.rows("streams", n * D)
-        self.op("hc_expand", x=e, out=X, n=n)
+        X = self.streams(tokens, n)
         for bid in range(self.layers):
             b = f"blk.{bid}."
             m, post, comb = self.hyper(b + "hc_attn", X)

@@ -27,7 +27,7 @@ from bloomery.compiler.checkpoint import PLAIN_FORMATS, QuantTensor
 from bloomery.compiler.matching import Slot, check_constants, match
 from bloomery.compiler.planned import PlannedTensor, RankPlan
 from bloomery.compiler.shard import StoredTensor
-from bloomery.core import formats, levers, specs
+from bloomery.core import formats, levers, ngram, specs
 from bloomery.core.errors import (DuplicateTensor, FormatNotAllowed, LeverConflict, MixedExpertFormats,
                                   TensorShapeMismatch, TPNotDivisible)
 
@@ -134,8 +134,6 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
 
 def _check_shards(s: Slot, qts: list, fmt, want: tuple) -> None:
     """The pieces of a sharded table: plain values, torch.chunk's lengths along axis 0, the rest of `want`."""
-    from bloomery.core import ngram
-
     if fmt.name not in slicing.SEGMENT_FORMATS:
         raise FormatNotAllowed(f"{qts[0].where()}: artifact tensor {s.name!r} joins {len(qts)} stored shards, which "
                                f"bloomery joins in plain formats ({', '.join(slicing.SEGMENT_FORMATS)}); this one is "

@@ -79,7 +79,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from . import errors
+from . import errors, ngram
 from .errors import MissingConfigKey, SpecError
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -117,16 +117,12 @@ def index(xs, x) -> int:
 
 
 def _ngram(vocab, ngram_size, heads_per_ngram, base, seed, layer_index, divisor) -> dict:
-    from . import ngram
-
     t = ngram.tables(int(vocab), int(ngram_size), int(heads_per_ngram), int(base), int(seed), int(layer_index),
                      int(divisor))
     return {"multipliers": list(t.multipliers), "sizes": list(t.sizes), "offsets": list(t.offsets), "rows": t.rows}
 
 
 def _chunks(n, parts) -> int:
-    from . import ngram
-
     return len(ngram.chunks(int(n), int(parts)))
 
 

@@ -277,7 +277,7 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
     warm_tables_s = None
     if getattr(ex, "host", None):         # the host ops' tables (the PLE's) read into the page cache first
         tw = time.perf_counter()
-        for a in ex.tables._t.values():
+        for a in ex.tables.opened():
             int(np.asarray(a).reshape(-1).view(np.uint8)[::4096].sum())
         warm_tables_s = time.perf_counter() - tw
     host0 = ex.host_stats().get("decode", {"runs": 0, "seconds": 0.0, "h2d_bytes": 0})

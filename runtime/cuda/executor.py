@@ -199,6 +199,10 @@ class HostTables:
             self._t[name] = self.art.parts(name, self.rank)["weight"]
         return self._t[name]
 
+    def opened(self) -> list:
+        """The tables host ops have read so far (mmapped views)."""
+        return list(self._t.values())
+
 
 def _will_need(files) -> None:
     for f in files:

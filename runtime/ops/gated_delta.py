@@ -86,23 +86,30 @@ def _chunked(S, q, k, v, g, beta, C):
 
 
 def run(op, buf, w):
+    drive(op, buf, w, _prepare, _chunked, _recurrent, op["v_heads"], op["k_dim"], op["v_dim"])
+
+
+def drive(op, buf, w, prepare, chunked, recurrent, heads: int, k_dim: int, v_dim: int) -> None:
+    """The runs of a delta rule (this one, or kda's with a decay per key channel): each slot's rows
+    in order from its state (zeros after a position-0 row), chunked over a prompt (mode prefill),
+    recurrent row by row otherwise; the slot's state after its last run kept. `prepare` gives
+    q, k, v, g, beta of the rows; `chunked` / `recurrent` are the rule's two forms."""
     pos, slot = buf[op["pos"]], buf[op["slot"]]
     state, out = buf[op["state"]], buf[op["out"]]
-    Hv, dk, dv = op["v_heads"], op["k_dim"], op["v_dim"]
     segs = runs(pos, slot)
     res = np.zeros(out.shape, np.float32)
     final = {}
     if segs:
         rows = np.concatenate([r for _, r, _ in segs])
-        q, k, v, g, beta = _prepare(op, buf, w, rows)
+        q, k, v, g, beta = prepare(op, buf, w, rows)
         start = np.cumsum([0] + [r.size for _, r, _ in segs])
-        init = [np.zeros((Hv, dk, dv), np.float32) if reset else state[s] for s, _, reset in segs]
+        init = [np.zeros((heads, k_dim, v_dim), np.float32) if reset else state[s] for s, _, reset in segs]
         if op["mode"] == "prefill":
             C = int(op.get("chunk", 64))
             for (s, r, _), S, i0, i1 in zip(segs, init, start[:-1], start[1:]):
                 tr = lambda a: a[i0:i1].swapaxes(0, 1)                  # noqa: E731  [n, H, ...] -> [H, n, ...]
-                S, o = _chunked(S, tr(q), tr(k), tr(v), tr(g), tr(beta), C)
-                res[r] = o.swapaxes(0, 1).reshape(r.size, Hv * dv)
+                S, o = chunked(S, tr(q), tr(k), tr(v), tr(g), tr(beta), C)
+                res[r] = o.swapaxes(0, 1).reshape(r.size, heads * v_dim)
                 final[s] = S
         else:
             S = np.stack(init)                                           # one batch row per run
@@ -110,8 +117,8 @@ def run(op, buf, w):
             for t in range(int(lengths.max())):
                 live = np.nonzero(lengths > t)[0]
                 i = start[live] + t
-                S[live], o = _recurrent(S[live], q[i], k[i], v[i], g[i], beta[i])
-                res[rows[i]] = o.reshape(live.size, Hv * dv)
+                S[live], o = recurrent(S[live], q[i], k[i], v[i], g[i], beta[i])
+                res[rows[i]] = o.reshape(live.size, heads * v_dim)
             for j, (s, _, _) in enumerate(segs):
                 final[s] = S[j]
     for s, S in final.items():                                           # the slot's last run

@@ -30,7 +30,7 @@ products carry a [block, block, d] decay). gated_delta is the special case of on
 
 import numpy as np
 
-from .causal_conv1d import runs
+from . import gated_delta
 from .sigmoid_mul import sigmoid
 
 
@@ -91,34 +91,5 @@ def _chunked(S, q, k, v, g, beta, C):
 
 
 def run(op, buf, w):
-    pos, slot = buf[op["pos"]], buf[op["slot"]]
-    state, out = buf[op["state"]], buf[op["out"]]
-    H, d = int(op["heads"]), int(op["head_dim"])
-    segs = runs(pos, slot)
-    res = np.zeros(out.shape, np.float32)
-    final = {}
-    if segs:
-        rows = np.concatenate([r for _, r, _ in segs])
-        q, k, v, g, beta = _prepare(op, buf, w, rows)
-        start = np.cumsum([0] + [r.size for _, r, _ in segs])
-        init = [np.zeros((H, d, d), np.float32) if reset else state[s] for s, _, reset in segs]
-        if op["mode"] == "prefill":
-            C = int(op.get("chunk", 64))
-            for (s, r, _), S, i0, i1 in zip(segs, init, start[:-1], start[1:]):
-                tr = lambda a: a[i0:i1].swapaxes(0, 1)                  # noqa: E731  [n, H, ...] -> [H, n, ...]
-                S, o = _chunked(S, tr(q), tr(k), tr(v), tr(g), tr(beta), C)
-                res[r] = o.swapaxes(0, 1).reshape(r.size, H * d)
-                final[s] = S
-        else:
-            S = np.stack(init)                                           # one batch row per run
-            lengths = start[1:] - start[:-1]
-            for t in range(int(lengths.max())):
-                live = np.nonzero(lengths > t)[0]
-                i = start[live] + t
-                S[live], o = _recurrent(S[live], q[i], k[i], v[i], g[i], beta[i])
-                res[rows[i]] = o.reshape(live.size, H * d)
-            for j, (s, _, _) in enumerate(segs):
-                final[s] = S[j]
-    for s, S in final.items():                                           # the slot's last run
-        state[s] = S
-    out[...] = res
+    d = int(op["head_dim"])
+    gated_delta.drive(op, buf, w, _prepare, _chunked, _recurrent, int(op["heads"]), d, d)
