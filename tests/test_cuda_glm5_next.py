@@ -1,5 +1,5 @@
 """GPU: glm5_next's CUDA ops (runtime/cuda/<op>.cu + <op>.py, wired into the CUDA executor as
-_op_<name>) against their NumPy ops (runtime/ops/<op>.py: the contract) on random inputs:
+bind_op) against their NumPy ops (runtime/ops/<op>.py: the contract) on random inputs:
 mhc_weights, hc_collapse, hc_mean, mhc_inject, layernorm, kda, dsa_index, mla_attention and the
 `limit` of swiglu and moe_experts; calls with several slots, prompt chunks (rows > 1) and decode
 rows, idle rows (position -1) between them, sequences continued across calls from states left by
@@ -70,11 +70,11 @@ class DevWQ(DevW):
 
 
 def bind(op, dev_bufs, weights, rows, prog, pre_quant=None):
-    """The CUDA op bound through a bare executor (its _op_<name>, its scratch pool)."""
+    """The CUDA op bound through a bare executor (ex.bind_op, its scratch pool)."""
     ex = bare(weights)
     if pre_quant:
         ex.w = DevWQ(weights, pre_quant)
-    return ex, getattr(ex, f"_op_{op['op']}")(op, dev_bufs, rows, prog)
+    return ex, ex.bind_op(op, dev_bufs, rows, prog)
 
 
 def launch(ex, steps):
@@ -282,7 +282,7 @@ def kda_call(op, hb, db, w, pos, slot, rng, qw=None, pipe=None):
     db.update(dev(inp), pos=cp.asarray(pos), slot=cp.asarray(slot))
     ex = bare(w)
     steps = KDA.launches(op, db, rows, ex.w, qw=qw, pipe=pipe) if qw is not None else \
-        ex._op_kda(op, db, rows, op["mode"])
+        ex.bind_op(op, db, rows, op["mode"])
     IMPL["kda"].run(op, hb, HostW(w))
     launch(ex, steps)
 

@@ -1,5 +1,5 @@
 """GPU: the hybrid families' CUDA ops (runtime/cuda/<op>.cu + <op>.py, wired into the CUDA executor
-as _op_<name>) against their NumPy ops (runtime/ops/<op>.py), the contract, on random inputs:
+as bind_op) against their NumPy ops (runtime/ops/<op>.py), the contract, on random inputs:
 causal_conv1d, gated_delta (both modes), rmsnorm_gated, split_groups, sigmoid_mul, bias_add,
 moe_router_grouped, and the new attrs of existing ops (rmsnorm `offset`, rope `rotary_dim`, also
 through the fused rope + rope + attention path). Then a whole mini Qwen3-Next-style plan through
@@ -71,7 +71,7 @@ class DevW:
 
 
 def bare(host: dict) -> CudaExecutor:
-    """A CudaExecutor with no artifact: enough of it to bind single ops (_op_<name>)."""
+    """A CudaExecutor with no artifact: enough of it to bind single ops (bind_op)."""
     ex = CudaExecutor.__new__(CudaExecutor)
     ex.k, ex.w = K.kernels(), DevW(host)
     ex.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}
@@ -85,7 +85,7 @@ def run_both(op, host_bufs: dict, dev_bufs: dict, weights: dict, rows: int, prog
     """The NumPy op on host_bufs and the CUDA op (bound through the executor) on dev_bufs, in place."""
     IMPL[op["op"]].run(op, host_bufs, HostW(weights))
     ex = ex or bare(weights)
-    steps = steps if steps is not None else getattr(ex, f"_op_{op['op']}")(op, dev_bufs, rows, prog)
+    steps = steps if steps is not None else ex.bind_op(op, dev_bufs, rows, prog)
     with ex.stream:
         for f in steps:
             f()
@@ -551,7 +551,7 @@ def test_rope_attention_partial_rotary(H, KV, D, rd, fused):
             steps = ex._rope_qk_kv(ops[0], ops[1], ops[2], db, rows) + \
                 ex._op_attention(ops[2], db, rows, mode, write=False)
         else:
-            steps = [f for o in ops for f in getattr(ex, f"_op_{o['op']}")(o, db, rows, mode)]
+            steps = [f for o in ops for f in ex.bind_op(o, db, rows, mode)]
         for o in ops:
             IMPL[o["op"]].run(o, hb, HostW())
         with ex.stream:

@@ -1,5 +1,5 @@
 """GPU: qwen4_exp's CUDA ops (runtime/cuda/<op>.cu + <op>.py, wired into the CUDA executor as
-_op_<name>) against their NumPy ops (runtime/ops/<op>.py: the contract) on random inputs: hc_expand,
+bind_op) against their NumPy ops (runtime/ops/<op>.py: the contract) on random inputs: hc_expand,
 hc_gate_mix, act_scale, hc_inject, ple_gate, qsa_index, attention's `select` (the per-row and the
 prompt-chunk kernels, and the fused rope + rope + attention path), rmsnorm_gated's `act`,
 causal_conv1d's `dilation`, rmsnorm with a weight as wide as the row. Then a mini qwen4_exp-style plan
@@ -384,7 +384,7 @@ def test_qsa_index_before_the_first_block(cfg):
         db.update(dev({"q": f32(rng, rows, H * Di), "k": k, "pos": pos, "slot": slot,
                        "sel": np.full((rows, budget + R - 1), 7, np.int32)}))
         with ex.stream:
-            for f in ex._op_qsa_index(op, db, rows, "decode"):
+            for f in ex.bind_op(op, db, rows, "decode"):
                 f()
         ex.stream.synchronize()
         want = np.where(np.arange(budget + R - 1)[None, :] <= pos[:, None], np.arange(budget + R - 1)[None, :], -1)
@@ -401,7 +401,7 @@ def test_qsa_index_refuses_wrong_shapes():
                 "slot": np.zeros(3, np.int32), "cache": np.zeros((2, 64, 32), np.float32),
                 "sel": np.zeros((3, 64), np.int32)})               # width 64, budget + ratio - 1 = 67 expected
     with pytest.raises(PlanMismatch, match="budget"):
-        bare(qsa_weights(rng, 32))._op_qsa_index(op, bufs, 3, "decode")
+        bare(qsa_weights(rng, 32)).bind_op(op, bufs, 3, "decode")
 
 
 # -- attention's select ------------------------------------------------------------------------------------

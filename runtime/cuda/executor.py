@@ -40,9 +40,11 @@ families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
@@ -58,30 +60,13 @@ from bloomery.core import plan as P
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
 from ..ops.rope import inv_freq
-from . import act_scale as AS
-from . import bias_add as BA
-from . import causal_conv1d as CC
-from . import dsa_index as DSA
-from . import gated_delta as GD
+from . import cu
 from . import gemm as M
 from . import gemv as G
-from . import hc_collapse as HCC
-from . import hc_expand as HCE
-from . import hc_gate_mix as HGM
-from . import hc_inject as HCI
-from . import hc_mean as HCM
-from . import kda as KDA
-from . import layernorm as LN
-from . import mhc_inject as MHI
-from . import mhc_weights as MHW
 from . import mla_attention as MLA
 from . import moe_router_grouped as MRG
 from . import ops as K
-from . import ple_gate as PG
 from . import qsa_index as QSA
-from . import rmsnorm_gated as RG
-from . import sigmoid_mul as SM
-from . import split_groups as SG
 
 DTYPES = {"f32": np.float32, "i32": np.int32}
 DENSE_DT = {"f32": 0, "bf16": 1, "f16": 2}
@@ -348,7 +333,7 @@ class CudaExecutor:
                 i += 1
                 continue
             nxt = ops[i + 1] if i + 1 < len(ops) else None
-            fn = getattr(self, f"_op_{op['op']}", None)
+            fn = self._binder(op["op"])
             if fn is None:
                 raise DeviceUnavailable(f"{prog} op {i} ({op['op']}): no CUDA implementation")
             if (op["op"] in ("linear", "moe_experts") and nxt is not None and nxt["op"] == "add"
@@ -623,43 +608,28 @@ class CudaExecutor:
         lg, steps = self._router_logits(op, bufs, rows, prog)
         return steps + MRG.launches(op, lg, self.w.vector(op["bias"]), bufs[op["ids"]], bufs[op["weights"]], rows)
 
-    # -- the hybrid families' ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py -------
-    def _op_causal_conv1d(self, op, bufs, rows, prog):
-        return CC.launches(op, bufs, rows, self.w)
+    # -- the hybrid and flagship families' ops: kernels in runtime/cuda/<op>.cu, bound by
+    # runtime/cuda/<op>.py; _bind calls _op_module for an op with no method of its own here
+    def _binder(self, name: str):
+        """The method that binds op `name`: its own _op_<name>, else _op_module where
+        runtime/cuda/<name>.py exists, else None."""
+        fn = getattr(self, f"_op_{name}", None)
+        if fn is None and (cu.HERE / f"{name}.py").exists():
+            fn = self._op_module
+        return fn
 
-    def _op_gated_delta(self, op, bufs, rows, prog):
-        return GD.launches(op, bufs, rows, self.w, scratch=self._pool)
+    def bind_op(self, op, bufs, rows: int, prog: str) -> list:
+        """One op's argument-bound launches on `bufs` (what _bind does per op, without fusions)."""
+        fn = self._binder(op["op"])
+        if fn is None:
+            raise DeviceUnavailable(f"op {op['op']}: no CUDA implementation")
+        return fn(op, bufs, rows, prog)
 
-    def _op_rmsnorm_gated(self, op, bufs, rows, prog):
-        return RG.launches(op, bufs, rows, self.w)
-
-    def _op_split_groups(self, op, bufs, rows, prog):
-        return SG.launches(op, bufs, rows, self.w)
-
-    def _op_sigmoid_mul(self, op, bufs, rows, prog):
-        return SM.launches(op, bufs, rows, self.w)
-
-    def _op_bias_add(self, op, bufs, rows, prog):
-        return BA.launches(op, bufs, rows, self.w)
-
-    # -- qwen4_exp ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py ------------------
-    def _op_hc_expand(self, op, bufs, rows, prog):
-        return HCE.launches(op, bufs, rows, self.w)
-
-    def _op_hc_gate_mix(self, op, bufs, rows, prog):
-        return HGM.launches(op, bufs, rows, self.w)
-
-    def _op_act_scale(self, op, bufs, rows, prog):
-        return AS.launches(op, bufs, rows, self.w)
-
-    def _op_hc_inject(self, op, bufs, rows, prog):
-        return HCI.launches(op, bufs, rows, self.w)
-
-    def _op_ple_gate(self, op, bufs, rows, prog):
-        return PG.launches(op, bufs, rows, self.w)
-
-    def _op_qsa_index(self, op, bufs, rows, prog):
-        return QSA.launches(op, bufs, rows, self.w, scratch=self._pool)
+    def _op_module(self, op, bufs, rows, prog):
+        """An op whose CUDA side is runtime/cuda/<op>.py: its launches(op, bufs, rows, w[, scratch])."""
+        mod = import_module(f"{__package__}.{op['op']}")
+        kw = {"scratch": self._pool} if "scratch" in inspect.signature(mod.launches).parameters else {}
+        return mod.launches(op, bufs, rows, self.w, **kw)
 
     def _attn_select(self, op, bufs, rows: int, ctx: int) -> tuple:
         """attention's `select` (ops_src.py attn_select_k, once per row for all heads): each row's listed
@@ -680,28 +650,6 @@ class CudaExecutor:
         bits = self._pool("attention.select_bits", (rows, nwords), np.uint32)
         args = (sel, np.int32(W), bufs[op["pos"]], np.int32(ctx), lst, bits, np.int32(nwords))
         return (lambda: kern((rows,), (256,), args, shared_mem=smem)), lst, np.int32(W + 1), bits, np.int32(nwords)
-
-    # -- glm5_next ops: kernels in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py ------------------
-    def _op_mhc_weights(self, op, bufs, rows, prog):
-        return MHW.launches(op, bufs, rows, self.w)
-
-    def _op_hc_collapse(self, op, bufs, rows, prog):
-        return HCC.launches(op, bufs, rows, self.w)
-
-    def _op_hc_mean(self, op, bufs, rows, prog):
-        return HCM.launches(op, bufs, rows, self.w)
-
-    def _op_mhc_inject(self, op, bufs, rows, prog):
-        return MHI.launches(op, bufs, rows, self.w)
-
-    def _op_kda(self, op, bufs, rows, prog):
-        return KDA.launches(op, bufs, rows, self.w)
-
-    def _op_layernorm(self, op, bufs, rows, prog):
-        return LN.launches(op, bufs, rows, self.w)
-
-    def _op_dsa_index(self, op, bufs, rows, prog):
-        return DSA.launches(op, bufs, rows, self.w, scratch=self._pool)
 
     def _op_mla_attention(self, op, bufs, rows, prog):
         self.flops[prog]["attention_per_key"] += 4 * int(op["heads"]) * int(bufs[op["c"]].shape[-1])
