@@ -37,7 +37,8 @@ def main():
     \b
     bloomery inspect <folder|artifact>     what a checkpoint or an artifact holds
     bloomery prepare <folder> <out>        compile a checkpoint into an artifact
-    bloomery run <artifact> --prompt TEXT  generate text (NumPy executor on the CPU)
+    bloomery verify <artifact>             check every byte of an artifact against its digests
+    bloomery run <artifact> --prompt TEXT  generate text (the CUDA executor on a GPU, else NumPy on the CPU)
     bloomery logits <artifact> --ids F     teacher-forced logits of a token-id list
     bloomery serve -m <artifact|folder>    an OpenAI-compatible HTTP server
     bloomery levers                        the environment switches and their cost
@@ -67,8 +68,8 @@ def _is_artifact(path: Path) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--rank", type=int, default=None, help="Artifact: the tensor-parallel rank to show (default: 0; "
               "totals cover every rank).")
-@click.option("--tensor", "tensor_name", default=None, help="One tensor by name (artifact name, or HF name "
-              "in a checkpoint folder).")
+@click.option("--tensor", "tensor_name", default=None, help="One tensor by name: in an artifact its base name "
+              "(blk.1.ffn_down) or a GGUF tensor's (blk.1.ffn_down.weight); in a checkpoint folder its HF name.")
 @click.option("--decode", "decode_to", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --tensor: write its decoded float32 values to this .npy file ([out, in]; routed "
               "experts [expert, out, in]).")
@@ -80,7 +81,9 @@ def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
 
     A checkpoint folder: each weight with its resolved stored format, shape, bytes and
     scales (weight_scale, weight_scale_2, input_scale, pre_quant_scale), then totals by
-    format. Every weight is checked against the quantization config; a malformed folder is
+    format, then the tensors that are not weights (integer buffers, dtypes no format reads:
+    I64, BOOL, F64, ...) with their dtype and shape; prepare judges those by the family's
+    spec. Every weight is checked against the quantization config; a malformed folder is
     refused with a named error and a non-zero exit.
 
     An artifact (from `bloomery prepare`): each artifact tensor (llama.cpp's names) with its
@@ -92,6 +95,7 @@ def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
       bloomery inspect ./ckpt --json | jq '.totals'
       bloomery inspect ./artifact --rank 1
       bloomery inspect ./artifact --tensor blk.0.attn_q --rank 1 --decode q.npy
+      bloomery inspect ./artifact --tensor blk.1.ffn_down.weight
       bloomery inspect ./artifact --plan --rank 1
     """
     if decode_to is not None and tensor_name is None:
@@ -107,7 +111,14 @@ def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
     from bloomery.compiler.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
+    others = {**{n: (t, "integer") for n, t in ckpt.integers.items()},
+              **{n: (t, "no format reads this dtype") for n, t in ckpt.unread.items()}}
     if tensor_name is not None:
+        if tensor_name in others:
+            t, kind = others[tensor_name]
+            if decode_to is not None:
+                raise click.UsageError(f"{tensor_name} is stored as {t.dtype}, not a weight: nothing to decode")
+            return _show_one(t.name, t.dtype, t.shape, t.nbytes, None, None, as_json, {"kind": kind})
         if tensor_name not in ckpt.tensors:
             raise click.UsageError(f"{path} has no tensor {tensor_name!r} (see `bloomery inspect {path}`)")
         t = ckpt.tensors[tensor_name]
@@ -117,6 +128,8 @@ def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
         {"name": t.name, "format": t.format.name, "shape": list(t.shape), "bytes": t.nbytes, "scales": t.scales}
         for t in sorted(ckpt.tensors.values(), key=lambda t: t.name)
     ]
+    other_rows = [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "kind": kind}
+                  for n, (t, kind) in sorted(others.items())]
     totals = ckpt.totals()
     q = ckpt.quant
     if as_json:
@@ -125,11 +138,15 @@ def inspect(path, as_json, rank, tensor_name, decode_to, show_plan):
             "quantization": {"source": q.source, "quant_algo": q.quant_algo,
                              "kv_cache_quant_algo": q.kv_cache_quant_algo},
             "tensors": rows,
+            "other_tensors": other_rows,
             "kv_scales": sorted(ckpt.kv_scales),
             "totals": totals,
         }, indent=1))
         return
     _table(rows, ("format", "shape", "bytes", "scales"))
+    if other_rows:
+        click.echo("\nnot weights (prepare judges them by the family's spec):")
+        _table(other_rows, ("dtype", "shape", "bytes", "kind"))
     click.echo(f"\nquantization: {q.quant_algo or 'none'} (kv cache: {q.kv_cache_quant_algo or 'as computed'}) "
                f"from {q.source}")
     _totals(totals)
@@ -179,13 +196,18 @@ def _inspect_artifact(path, as_json, rank, tensor_name, decode_to):
         raise click.UsageError(f"{path} holds ranks {art.ranks}; there is no rank {rank}")
     tensors = art.tensors(rank)
     if tensor_name is not None:
-        if tensor_name not in tensors:
-            raise click.UsageError(f"{path} rank {rank} has no tensor {tensor_name!r} (see `bloomery inspect {path}`)")
-        t = tensors[tensor_name]
-        return _show_one(t.name, t.format, t.shape, t.nbytes, (lambda: art.decode(tensor_name, rank)),
-                         decode_to if decode_to else None, as_json,
-                         {"rank": rank, "role": t.role, "cut": t.cut, "layout": t.layout, "sources": list(t.sources),
-                          "gguf": t.parts})
+        gguf = {g: (b, part) for b, t in tensors.items() for part, g in t.parts.items()}
+        base, part = (tensor_name, None) if tensor_name in tensors else gguf.get(tensor_name, (None, None))
+        if base is None:
+            raise click.UsageError(f"{path} rank {rank} has no tensor {tensor_name!r}, by base or GGUF name (see "
+                                   f"`bloomery inspect {path}`)")
+        t = tensors[base]
+        named = {} if part is None else {"gguf_tensor": tensor_name,
+                                         "parts": sorted(p for p, g in t.parts.items() if g == tensor_name)}
+        return _show_one(t.name, t.format, t.shape, t.nbytes, (lambda: art.decode(base, rank)) if decode_to else None,
+                         decode_to, as_json,
+                         {**named, "rank": rank, "role": t.role, "cut": t.cut, "layout": t.layout,
+                          "sources": list(t.sources), "gguf": t.parts})
     rows = [{"name": t.name, "format": t.format, "layout": t.layout, "role": t.role, "cut": t.cut,
              "shape": list(t.shape), "bytes": t.nbytes, "sources": list(t.sources)}
             for t in sorted(tensors.values(), key=lambda t: _natural(t.name))]
@@ -300,19 +322,67 @@ def prepare(folder, out, tp, keep_bf16, max_shard_size, progress):
 
 
 @main.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@refusals
+def verify(artifact, progress):
+    """Check every byte of ARTIFACT (from `bloomery prepare`) against what prepare wrote.
+
+    Each file against its SHA-256 in SHA256SUMS, and each shard's header and every GGUF
+    tensor against their SHA-256 in DIGESTS.json, in one sequential read per file. A damaged
+    artifact is refused with every damaged file and tensor named and a non-zero exit.
+    Loading always checks each shard's size and header; `run --verify` also checks each
+    tensor as it loads.
+
+    \b
+    Example:
+      bloomery verify ./smollm2.art
+    """
+    import time
+
+    from bloomery.core.artifact.reader import Artifact
+
+    t0 = time.perf_counter()
+    art = Artifact.open(artifact)
+    files = sorted(art.sums)
+    total = sum((artifact / n).stat().st_size for n in files)
+    bar = None
+    if progress or (progress is None and sys.stderr.isatty()):
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify")
+    try:
+        art.verify(progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    tensors = sum(len(e["tensors"]) for e in (art.digests or {}).values())
+    dt = time.perf_counter() - t0
+    detail = (f"{tensors} GGUF tensors and every header match DIGESTS.json" if art.digests is not None else
+              "no DIGESTS.json (prepared by an older bloomery): files checked, tensors not")
+    click.echo(f"{artifact}: OK: {len(files)} file(s), {_human(total)} match SHA256SUMS; {detail} "
+               f"({dt:.1f} s, {total / max(dt, 1e-9) / 1e6:.0f} MB/s)")
+
+
+@main.command()
 def levers():
     """The levers: environment switches that change what bloomery does, with their measured cost."""
     click.echo(_levers_text(), nl=False)
 
 
 _DEVICE = click.Choice(["auto", "cpu", "cuda"])
+_VERIFY_HELP = ("Check every tensor against its digest (DIGESTS.json) as it loads. Off by default: it costs 4-9% "
+                "of the CPU load time (docs/artifact.md); each shard's size and header are checked always, and "
+                "`bloomery verify` checks every byte.")
 
 
 @main.command()
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", "-p", required=True, help="The user's message (through the chat template unless --raw).")
 @click.option("--raw", is_flag=True, help="Tokenize the prompt as is, without the chat template.")
-@click.option("--max-tokens", "-n", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--max-tokens", "--n-predict", "-n", type=click.IntRange(-1), default=256, show_default=True,
+              help="Tokens to generate; -1: until EOS or the context is full (llama.cpp's -n).")
+@click.option("--ignore-eos", is_flag=True, help="Never stop at EOS: the EOS tokens are masked out of every pick "
+              "(llama.cpp's --ignore-eos); generation runs to --max-tokens or the context's end.")
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True,
               help="0: greedy (argmax).")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0: off.")
@@ -326,34 +396,40 @@ _DEVICE = click.Choice(["auto", "cpu", "cuda"])
               help="CPU BLAS threads (one is fastest on a shared machine: runtime/blas.py).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, counts, timings) "
               "instead of streaming.")
+@click.option("--verify", "check", is_flag=True, help=_VERIFY_HELP)
 @refusals
-def run(artifact, prompt, raw, max_tokens, temperature, top_k, top_p, seed, ctx_size, device, threads, as_json):
+def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p, seed, ctx_size, device, threads,
+        as_json, check):
     """Generate a reply from ARTIFACT (from `bloomery prepare`) to --prompt.
 
     The tokenizer and chat template come from the artifact. The text streams to stdout as
-    tokens decode; generation stops at EOS (bloomery.eos_token_ids) or --max-tokens. Prompt
-    and decode speed go to stderr at the end.
+    tokens decode; generation stops at EOS (bloomery.eos_token_ids; not with --ignore-eos),
+    --max-tokens or the end of the context. Prompt and decode speed go to stderr at the end.
 
     \b
     Examples:
       bloomery run ./smollm2.art --prompt "What is the capital of France?"
       bloomery run ./smollm2.art -p "Once upon a time" --raw --temperature 0.8 --seed 1
       bloomery run ./smollm2.art -p "Hi" --json | jq .text
+      bloomery run ./smollm2.art -p "Count to 100" -n 200 --ignore-eos --verify
     """
     import time
 
     from bloomery.runtime import Engine, generate
 
+    if max_tokens == 0:
+        raise click.BadParameter("0 generates nothing; give a count, or -1 for until EOS or the context's end",
+                                 param_hint="--max-tokens")
     t0 = time.perf_counter()
-    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads)
+    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads, check=check)
     load_s = time.perf_counter() - t0
 
     def emit(piece):
         click.echo(piece, nl=False)
         sys.stdout.flush()
 
-    g = generate(eng, prompt, raw=raw, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                 seed=seed, on_text=None if as_json else emit)
+    g = generate(eng, prompt, raw=raw, max_tokens=None if max_tokens < 0 else max_tokens, ignore_eos=ignore_eos,
+                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, on_text=None if as_json else emit)
     if as_json:
         click.echo(json.dumps({**g.to_json(), "load_s": round(load_s, 3)}))
         return
@@ -394,9 +470,11 @@ def run(artifact, prompt, raw, max_tokens, temperature, top_k, top_p, seed, ctx_
               help="Requests that may wait for a slot; past that a request gets 503 with Retry-After.")
 @click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True,
               help="CPU BLAS threads.")
+@click.option("--verify", "check", is_flag=True, help=_VERIFY_HELP + " (An artifact; a folder compiled in memory "
+              "has no files to check.)")
 @refusals
 def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
-          max_queue, threads):
+          max_queue, threads, check):
     """Serve a model over HTTP with the OpenAI API (llama-server's flags).
 
     Each of the --parallel slots holds one request: the slots that generate are decoded
@@ -434,7 +512,8 @@ def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict
 
     sys.exit(run_server(Settings(model=model, ctx=ctx_size or None, parallel=parallel, ubatch=ubatch_size,
                                  host=host, port=port, api_key=api_key or None, n_predict=n_predict, alias=alias,
-                                 device=device, tp=tp, metrics=metrics, threads=threads, max_queue=max_queue)))
+                                 device=device, tp=tp, metrics=metrics, threads=threads, max_queue=max_queue,
+                                 check=check)))
 
 
 @main.command()
@@ -446,8 +525,9 @@ def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict
 @click.option("--device", type=_DEVICE, default="auto", show_default=True)
 @click.option("--ubatch", type=click.IntRange(1), default=64, show_default=True, help="Rows per prompt chunk.")
 @click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True, help="CPU BLAS threads.")
+@click.option("--verify", "check", is_flag=True, help=_VERIFY_HELP)
 @refusals
-def logits(artifact, ids_file, out_file, device, ubatch, threads):
+def logits(artifact, ids_file, out_file, device, ubatch, threads, check):
     """Teacher-forced logits of a token-id list: row i is the distribution after ids[0..i].
 
     \b
@@ -464,7 +544,7 @@ def logits(artifact, ids_file, out_file, device, ubatch, threads):
         raise click.BadParameter(f"{ids_file} is not JSON ({e})", param_hint="--ids") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise click.BadParameter(f"{ids_file} must hold a non-empty JSON list of integers", param_hint="--ids")
-    x = run_logits(artifact, ids, device=device, ubatch=ubatch, threads=threads)
+    x = run_logits(artifact, ids, device=device, ubatch=ubatch, threads=threads, check=check)
     np.save(out_file, x)
     click.echo(f"{out_file}: float32 {list(x.shape)}", err=True)
 

@@ -50,6 +50,7 @@ class Settings:
     metrics: bool = False
     threads: int = 1
     max_queue: int = 64
+    check: bool = False             # --verify: each tensor against DIGESTS.json as it loads
 
     @property
     def model_id(self) -> str:
@@ -65,7 +66,7 @@ def open_model(s: Settings):
     from bloomery.cli import _is_artifact
     from bloomery.core.artifact import Artifact
     if _is_artifact(s.model):
-        art = Artifact.open(s.model)
+        art = Artifact.open(s.model, check=s.check)
         if s.tp is not None and s.tp != art.tp:
             raise ServeRefusal(f"{s.model} was prepared with --tp {art.tp}; --tp {s.tp} needs a checkpoint folder "
                                f"or an artifact prepared with it")

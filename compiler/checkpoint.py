@@ -26,7 +26,6 @@ from bloomery.core.errors import (
     TensorNotInShard,
     UnexpectedScale,
     UnreadableJSON,
-    UnsupportedDtype,
 )
 
 # Stored name suffix -> canonical part name (core/formats/base.py).
@@ -84,6 +83,7 @@ class Checkpoint:
     tensors: dict[str, QuantTensor]
     kv_scales: dict[str, StoredTensor] = field(default_factory=dict)
     integers: dict[str, StoredTensor] = field(default_factory=dict)   # I64 / I32 / ... tensors (not weights)
+    unread: dict[str, StoredTensor] = field(default_factory=dict)     # a dtype no format reads (F64, ...)
 
     @classmethod
     def open(cls, folder) -> "Checkpoint":
@@ -97,11 +97,11 @@ class Checkpoint:
         config = quant_config.read_json(cfg_path)
         quant = quant_config.load(folder, config)
         shards, stored = _open_shards(folder)
-        tensors, kv, ints = _group(stored, quant)
+        tensors, kv, ints, unread = _group(stored, quant)
         if quant.kv_cache_quant_algo and not kv:
             raise MissingScale(f"{quant.source}: kv_cache_quant_algo {quant.kv_cache_quant_algo} but no "
                                "k_scale/v_scale tensor is stored.")
-        return cls(folder, config, quant, shards, tensors, kv, ints)
+        return cls(folder, config, quant, shards, tensors, kv, ints, unread)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per format: tensor count, elements and bytes (scales folded into their weight)."""
@@ -122,6 +122,9 @@ def _open_shards(folder: Path) -> tuple[dict[str, Shard], dict[str, StoredTensor
         weight_map = obj.get("weight_map")
         if not isinstance(weight_map, dict):
             raise UnreadableJSON(f"{index}: no \"weight_map\" object.")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise UnreadableJSON(f"{index}: weight_map[{bad[0]!r}] is {bad[1]!r}; expected a shard file name.")
         files = sorted(set(weight_map.values()))
     else:
         weight_map = None
@@ -170,8 +173,9 @@ def _check_kv_scale(t: StoredTensor) -> None:
 
 
 def _group(stored: dict[str, StoredTensor], quant):
-    """(QuantTensors by weight name, KV-cache scales, integer tensors): the integer tensors
-    (qwen4_exp's n-gram hash buffers) are not weights; the spec says what each one is."""
+    """(QuantTensors by weight name, KV-cache scales, integer tensors, unread tensors): the integer
+    tensors (qwen4_exp's n-gram hash buffers) are not weights, nor are the tensors of a dtype no
+    format reads (F64, ...); the spec says what each one is."""
     weights: dict[str, StoredTensor] = {}
     scales: dict[str, dict[str, StoredTensor]] = {}
     kv: dict[str, StoredTensor] = {}
@@ -198,6 +202,7 @@ def _group(stored: dict[str, StoredTensor], quant):
                                   "not stored).")
 
     out: dict[str, QuantTensor] = {}
+    unread: dict[str, StoredTensor] = {}
     for module, w in weights.items():
         found = scales.get(module, {})
         fmt_name = quant.format_for(module)
@@ -213,7 +218,8 @@ def _group(stored: dict[str, StoredTensor], quant):
                 if w.dtype in QUANTIZED_STORAGE:
                     raise MissingScale(f"{where}: stored as {w.dtype} but the quantization config "
                                        f"({quant.source}) does not quantize it, and no scale is stored.")
-                raise UnsupportedDtype(f"{where}: dtype {w.dtype} is not a weight format bloomery reads.")
+                unread[w.name] = w
+                continue
             out[w.name] = QuantTensor(w.name, formats.get(PLAIN_FORMATS[w.dtype]), {"weight": w})
             continue
         if not found:
@@ -233,9 +239,8 @@ def _group(stored: dict[str, StoredTensor], quant):
     for t in plain:
         if t.dtype in INTEGER_DTYPES:
             ints[t.name] = t
-            continue
-        if t.dtype not in PLAIN_FORMATS:
-            raise UnsupportedDtype(f"{t.shard.path}: tensor {t.name!r} has dtype {t.dtype}; bloomery reads "
-                                   "BF16/F16/F32 for tensors that are not quantized weights.")
-        out[t.name] = QuantTensor(t.name, formats.get(PLAIN_FORMATS[t.dtype]), {"weight": t})
-    return out, kv, ints
+        elif t.dtype not in PLAIN_FORMATS:
+            unread[t.name] = t
+        else:
+            out[t.name] = QuantTensor(t.name, formats.get(PLAIN_FORMATS[t.dtype]), {"weight": t})
+    return out, kv, ints, unread

@@ -2,8 +2,10 @@
 execution plan of core/plan.py, one op list for a decode step and one for a prompt chunk.
 
 The decoder stack is generic over what the rank's tensor table holds: q/k norms when
-`attn_q_norm` exists (Qwen3), q/k/v biases when `attn_q_bias` exists and partial rotary when
-rope.dimension_count < head_dim (GLM-4.5), routed experts where `ffn_gate_inp` exists, else a dense SwiGLU
+`attn_q_norm` exists (Qwen3), q/k/v biases when `attn_q_bias` exists (Qwen2, GLM-4.5, Llama's
+attention_bias, whose o_proj bias `attn_output_bias` is added once, after the all-reduce) and partial
+rotary when rope.dimension_count < head_dim (GLM-4.5), rope scaling where the metadata has
+rope.scaling.type (llama3, yarn: core/rope.py), routed experts where `ffn_gate_inp` exists, else a dense SwiGLU
 MLP; the output head is `output`, or the tied `token_embd`. With tp > 1 the row-parallel
 outputs (attn_output, ffn_down, the experts' down) are all-reduced and the vocab-parallel
 logits all-gathered. A family with a genuinely new block (gated delta net, recurrent state)
@@ -17,10 +19,10 @@ from typing import Any, Mapping
 
 from bloomery.core import ngram
 from bloomery.core import plan as P
-from bloomery.core import specs
+from bloomery.core import rope, specs
 from bloomery.core.errors import MissingTensor, UnsupportedConfig
 
-FAMILIES = ("llama", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen4_exp", "glm5_next")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen4_exp", "glm5_next")
 
 
 def lower_rank(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
@@ -58,6 +60,9 @@ class _Decoder:
         self.norm_topk = bool(md.get(f"{arch}.expert_weights_norm", False))
         rot = int(md.get(f"{arch}.rope.dimension_count", self.head_dim))
         self.rope_extra = {"rotary_dim": rot} if rot < self.head_dim else {}      # partial rotary (GLM-4.5)
+        scaling, self.attn_factor = rope.from_metadata(md, arch)                  # llama3 / yarn
+        if scaling is not None:
+            self.rope_extra["scaling"] = scaling
         self.heads = int(md["bloomery.tp.head_count"])
         self.kv_heads = int(md["bloomery.tp.head_count_kv"])
         self.tp, self.rank = int(md["bloomery.tp.size"]), int(md["bloomery.tp.rank"])
@@ -158,17 +163,23 @@ class _Decoder:
         ck = self.buf(f"kv.{bid}.k", cache, kind="state")
         cv = self.buf(f"kv.{bid}.v", cache, kind="state")
         att = self.rows("attn", self.heads * hd)
+        # YaRN's attention factor m multiplies HF's cos and sin of q and of k: m^2 on the scores (core/rope.py)
         self.op("attention", q=q, k=k, v=v, pos="positions", slot="slot_ids", cache_k=ck, cache_v=cv, out=att,
-                heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=1.0 / math.sqrt(hd), **select)
+                heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=self.attn_factor ** 2 / math.sqrt(hd),
+                **select)
         return att
 
     def project_out(self, x: str, weight: str, h: str) -> None:
-        """The block's output projection (row-cut) into the residual h."""
-        self.residual(self.linear(x, weight, "o"), h)
+        """The block's output projection (row-cut) into the residual h, plus its bias where it has one."""
+        bias = weight + "_bias"
+        self.residual(self.linear(x, weight, "o"), h, bias if bias in self.t else None)
 
-    def residual(self, x: str, h: str) -> None:
-        """h += x, x a row-parallel partial sum (all-reduced first at tp > 1)."""
+    def residual(self, x: str, h: str, bias: str | None = None) -> None:
+        """h += x (+ bias), x a row-parallel partial sum (all-reduced first at tp > 1; the replicated
+        bias is added once, after it)."""
         self.reduce(x)
+        if bias is not None:
+            self.op("bias_add", x=x, bias=bias, out=x)
         self.op("add", a=h, b=x, out=h)
 
     def ffn(self, bid: int, h: str) -> None:

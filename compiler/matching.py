@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bloomery.core.errors import ConstantMismatch, MissingTensor, SpecError, UnknownTensor
+from bloomery.core.errors import ConstantMismatch, MissingTensor, SpecError, UnknownTensor, UnsupportedDtype
 from bloomery.core.specs import Spec, TensorRule
 
 
@@ -25,7 +25,7 @@ class Slot:
 def _expected(spec: Spec, values: dict) -> tuple[list[Slot], dict]:
     """The artifact tensors the spec expects, in spec order (globals first, then layers, then the
     rest), and HF name -> slot."""
-    nlayers = int(spec.layers(values))
+    nlayers = spec.layers.as_int(values)
     envs = [spec.layer_values(values, b) for b in range(nlayers)]
     first_layer = next((i for i, r in enumerate(spec.tensors) if r.per_layer), len(spec.tensors))
     order = []
@@ -40,8 +40,8 @@ def _expected(spec: Spec, values: dict) -> tuple[list[Slot], dict]:
         env = envs[b] if r.per_layer else values
         if r.when is not None and not r.when(env):
             continue
-        xids = range(int(r.experts(env))) if r.experts is not None else [None]
-        sids = range(int(r.shards(env))) if r.shards is not None else [None]
+        xids = range(r.experts.as_int(env)) if r.experts is not None else [None]
+        sids = range(r.shards.as_int(env)) if r.shards is not None else [None]
         hf = tuple(r.hf.replace("{bid}", str(b)).replace("{xid}", str(x)).replace("{sid}", str(i))
                    for x in xids for i in sids)
         slot = Slot(r, b if r.per_layer else None, r.name.replace("{bid}", str(b)), hf, env)
@@ -69,7 +69,7 @@ def _ignored(spec: Spec, values: dict, name: str) -> bool:
 
 def _why_unknown(spec: Spec, values: dict, name: str) -> str:
     """Why a name that some template matches is still not expected."""
-    nlayers = int(spec.layers(values))
+    nlayers = spec.layers.as_int(values)
     hits = [(r, m) for r in spec.tensors if (m := r.pattern.match(name))]
     if not hits:
         return "it matches no template of the spec"
@@ -81,9 +81,9 @@ def _why_unknown(spec: Spec, values: dict, name: str) -> str:
     if r.when is not None and not r.when(env):
         return f"template {r.hf!r} applies only when {r.when.text}, which is false here"
     if g.get("xid") is not None:
-        return f"expert {g['xid']} is beyond the {int(r.experts(env))} experts of config.json"
+        return f"expert {g['xid']} is beyond the {r.experts.as_int(env)} experts of config.json"
     if g.get("sid") is not None:
-        return f"shard {g['sid']} is beyond the {int(r.shards(env))} shards the table is written in"
+        return f"shard {g['sid']} is beyond the {r.shards.as_int(env)} shards the table is written in"
     return f"template {r.hf!r} does not expect it"   # not reached for a well-formed spec
 
 
@@ -114,11 +114,26 @@ def check_constants(spec: Spec, values: dict, ints: dict, where: str) -> None:
                                     f"written.")
 
 
+def check_unread(spec: Spec, values: dict, tensors: dict) -> None:
+    """Every tensor of a dtype no format reads (name as the spec spells it -> StoredTensor) is one
+    the spec ignores, or UnsupportedDtype by name."""
+    for n, t in sorted(tensors.items()):
+        if not _ignored(spec, values, n):
+            raise UnsupportedDtype(f"{t.shard.path}: tensor {t.name!r} is stored as {t.dtype} {list(t.shape)}, a "
+                                   f"dtype no format of bloomery reads (a weight is BF16, F16, F32 or a quantized "
+                                   f"format with its scales), and the {spec.family} spec ({spec.path.name}) does not "
+                                   f"ignore it. Convert it or drop it. Nothing was written.")
+
+
 def match(spec: Spec, values: dict, names, where: str) -> list[Slot]:
     """The spec's artifact tensors for a checkpoint holding HF tensors `names` (UnknownTensor /
     MissingTensor by name otherwise)."""
-    slots, by_hf = _expected(spec, values)
     present = set(names)
+    nlayers = spec.layers.as_int(values)
+    if nlayers > len(present):         # every layer holds a tensor: refused before a list of that many is made
+        raise MissingTensor(f"{where}: config.json gives {nlayers} layers ({spec.layers.text}); the checkpoint "
+                            f"stores {len(present)} tensors in all, so most layers are missing. Nothing was written.")
+    slots, by_hf = _expected(spec, values)
     slots = [s for s in slots if s.rule.required or any(h in present for h in s.hf)]   # `required: false`, absent
     for n in sorted(present):
         if n in by_hf:

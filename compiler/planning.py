@@ -24,7 +24,7 @@ import numpy as np
 
 from bloomery.compiler import slicing
 from bloomery.compiler.checkpoint import PLAIN_FORMATS, QuantTensor
-from bloomery.compiler.matching import Slot, check_constants, match
+from bloomery.compiler.matching import Slot, check_constants, check_unread, match
 from bloomery.compiler.planned import PlannedTensor, RankPlan
 from bloomery.compiler.shard import StoredTensor
 from bloomery.core import formats, levers, ngram, specs
@@ -58,6 +58,7 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
     tensors = {**ckpt.tensors, **{n: _plain(t) for n, t in ckpt.kv_scales.items()}}
     tensors = _canonical(spec, tensors, where)
     check_constants(spec, values, _canonical(spec, ckpt.integers, where), where)
+    check_unread(spec, values, _canonical(spec, ckpt.unread, where))
     slots = match(spec, values, tensors, where)
     roles = specs.load_roles()
     rows = [_tensor_rows(ckpt.folder, tensors, s, roles.roles[s.rule.role], tp, q8) for s in slots]
@@ -67,7 +68,7 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
                                  shape=_rank_shape(shape, s.rule.cut, tp, rank, unit),
                                  optional=optional, sources=s.hf, cut=s.rule.cut,
                                  produce=slicing.producer(fmt, qts, s.rule.cut, rank, tp, s.rule.experts is not None,
-                                                          fmt_out != fmt.name, f"{where}: {s.name}", shape == (1,), unit,
+                                                          fmt_out, f"{where}: {s.name}", shape == (1,), unit,
                                                           joined=s.rule.shards is not None))
                    for s, (fmt, fmt_out, shape, optional, qts, unit) in zip(slots, rows)]
         out.append(RankPlan(rank, tp, planned, _metadata(ckpt, spec, values, tp, rank, q8)))
@@ -103,7 +104,7 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
             raise MixedExpertFormats(f"{folder}: artifact tensor {s.name!r} stacks {len(qts)} experts, but "
                                      f"{qts[0].name!r} is {fmt.name} with parts {sorted(qts[0].sources)} and "
                                      f"{qt.name!r} is {qt.format.name} with parts {sorted(qt.sources)}.")
-    want = tuple(int(e(s.env)) for e in s.rule.shape)
+    want = tuple(e.as_int(s.env) for e in s.rule.shape)
     if s.rule.shards is not None:
         _check_shards(s, qts, fmt, want)
     for qt in ([] if s.rule.shards is not None else qts):
@@ -113,11 +114,11 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
                                       f"has logical shape {list(qt.shape)}; the {s.rule.hf!r} template expects "
                                       f"{list(want)} = [{exprs}] from config.json.")
     where = f"{qts[0].where()} -> artifact tensor {s.name!r} (role {s.rule.role}, cut {s.rule.cut})"
-    unit = None if s.rule.unit is None else int(s.rule.unit(s.env))
+    unit = None if s.rule.unit is None else s.rule.unit.as_int(s.env)
     if s.rule.segments is not None:               # a segments cut: its ((length, unit), ...)
-        unit = tuple((int(n(s.env)), None if u is None else int(u(s.env))) for n, u in s.rule.segments)
+        unit = tuple((n.as_int(s.env), None if u is None else u.as_int(s.env)) for n, u in s.rule.segments)
     slicing.check_partition(fmt, s.rule.cut, want, tp, where, unit)
-    out_fmt = fmt.name
+    out_fmt = fmt.held_as or fmt.name              # nvfp4_g32 is held as nvfp4 (core/formats/nvfp4.py)
     if q8 and kind.q8 and fmt.name == "bf16" and slicing.q8_allowed(s.rule.cut, want, tp, unit):
         out_fmt = "q8_0"
     if kind.formats is not None and out_fmt not in kind.formats:
@@ -126,7 +127,7 @@ def _tensor_rows(folder, tensors: dict, s: Slot, kind, tp: int, q8: bool):
                                f"runtime does not read in role {s.rule.role} (kind {kind.name}: "
                                f"{', '.join(kind.formats)}){note}.")
     optional = tuple(sorted(p.name for p in fmt.parts if not p.required and p.name in qts[0].sources))
-    if out_fmt != fmt.name:
+    if out_fmt == "q8_0":
         optional = ()
     shape = (len(qts), *want) if s.rule.experts is not None else want
     return fmt, out_fmt, shape, optional, qts, unit
@@ -162,8 +163,8 @@ def _metadata(ckpt, spec, values: dict, tp: int, rank: int, q8: bool) -> dict:
     name = ckpt.config.get("_name_or_path") or ckpt.folder.name
     md = {"general.architecture": spec.gguf_arch, "general.name": str(name).rstrip("/").split("/")[-1],
           "bloomery.spec": spec.family, "bloomery.prepare_q8": bool(q8)}
-    md.update({k: m.value(values) for k, m in spec.metadata.items()})
+    md.update({k: m.value(values) for k, m in spec.metadata.items() if m.applies(values)})
     md.update({"bloomery.tp.size": np.uint32(tp), "bloomery.tp.rank": np.uint32(rank)})
     env = {**values, "tp": tp, "rank": rank}
-    md.update({k: m.value(env) for k, m in spec.rank_metadata.items()})
+    md.update({k: m.value(env) for k, m in spec.rank_metadata.items() if m.applies(env)})
     return md

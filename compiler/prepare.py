@@ -12,19 +12,33 @@ from bloomery.compiler import lower, planning, publish
 from bloomery.compiler.checkpoint import Checkpoint
 from bloomery.compiler.quant_config import read_json
 from bloomery.compiler.writer import DEFAULT_MAX_SHARD_BYTES
+from bloomery.core.errors import UnreadableJSON
+
+
+def _text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UnreadableJSON(f"{p}: byte {e.start} is not UTF-8 ({e.reason}). Fix or re-download the file; "
+                             f"nothing was written.") from None
 
 
 def tokenizer_files(folder: Path) -> tuple[str | None, str | None]:
-    """tokenizer.json's text and the chat template (chat_template.jinja, else tokenizer_config.json's)."""
+    """tokenizer.json's text and the chat template (chat_template.jinja, else tokenizer_config.json's).
+    They travel as text: the runtime loads them (and refuses by name what does not load)."""
     tok = folder / "tokenizer.json"
-    tok_json = tok.read_text(encoding="utf-8") if tok.is_file() else None
+    tok_json = _text(tok) if tok.is_file() else None
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return tok_json, jinja.read_text(encoding="utf-8")
+        return tok_json, _text(jinja)
     cfg = folder / "tokenizer_config.json"
     template = read_json(cfg).get("chat_template") if cfg.is_file() else None
     if isinstance(template, list):   # named templates: keep the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if template is not None and not isinstance(template, str):
+        raise UnreadableJSON(f"{cfg}: chat_template is {type(template).__name__}; expected a Jinja template string "
+                             f"(or a list of named ones). Nothing was written.")
     return tok_json, template
 
 
@@ -33,14 +47,17 @@ def source_metadata(ckpt: Checkpoint) -> dict:
     q = ckpt.quant
     md = {"bloomery.source.quant_algo": q.quant_algo or "none",
           "bloomery.source.kv_cache_quant_algo": q.kv_cache_quant_algo or "none"}
-    eos = ckpt.config.get("eos_token_id")
+    eos, where = ckpt.config.get("eos_token_id"), ckpt.folder / "config.json"
     gen = ckpt.folder / "generation_config.json"
-    if gen.is_file():
-        eos = read_json(gen).get("eos_token_id", eos)
+    if gen.is_file() and "eos_token_id" in (g := read_json(gen)):
+        eos, where = g["eos_token_id"], gen
     if eos is not None:
-        md["bloomery.eos_token_ids"] = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < 2**31 for e in ids):
+            raise UnreadableJSON(f"{where}: eos_token_id is {eos!r}; expected a token id or a list of them.")
+        md["bloomery.eos_token_ids"] = ids
     bos = ckpt.config.get("bos_token_id")
-    if isinstance(bos, int):
+    if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < 2**31:
         md["tokenizer.ggml.bos_token_id"] = bos
     return md
 

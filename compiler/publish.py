@@ -12,12 +12,15 @@ Protocol, and what a SIGKILL at each point leaves (docs/artifact.md has the tabl
     1. lock; recover: if `out` is absent and an -old- folder exists (a kill inside the
        fallback swap), rename it back to `out`; then delete every -tmp- and -old- folder
        (all stale: their owner held the lock we now hold).
-    2. write every rank's shards into -tmp- (each fsynced)    kill: out untouched
-    3. re-open every shard with GGUFReader; check names, types, shapes, split.* keys;
-       re-read each file once: its SHA-256 and every tensor's SHA-256 against what was
-       written; decode a few rows of every tensor from the file and compare them bit for
-       bit with the planned parts' decode                      kill: out untouched
-    4. write SHA256SUMS (sorted, sha256sum format), fsync it and the folder
+    2. write every rank's shards into -tmp- (each fsynced, behind step 3)  kill: out untouched
+    3. re-open every shard with GGUFReader; check names, types, shapes, offsets, size and
+       split.* keys; re-read each file once (a second thread, beside the other checks): its
+       SHA-256 (for SHA256SUMS), and the word sums of its header and of every tensor against
+       those of the bytes written (the writer takes DIGESTS.json's SHA-256 and word sums as it
+       writes); decode a few rows of every tensor from the file and compare them bit for bit
+       with the planned parts' decode                          kill: out untouched
+    4. write DIGESTS.json (core/artifact/integrity.py) and SHA256SUMS (sorted, sha256sum
+       format, DIGESTS.json listed too), fsync them and the folder
     5. swap: `out` absent -> rename(tmp, out). `out` present -> renameat2(RENAME_EXCHANGE)
        swaps the two names in one step (the old artifact now sits at the -tmp- name);
        where the kernel or filesystem lacks it: rename(out, old); rename(tmp, out).
@@ -45,6 +48,7 @@ import shutil
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -52,7 +56,8 @@ from typing import Any, Mapping, Sequence
 from gguf import GGUFReader
 
 from bloomery.core import formats
-from bloomery.core.artifact import layout
+from bloomery.core.artifact import integrity, layout
+from bloomery.core.artifact.integrity import DIGESTS, hash_file
 from bloomery.core.artifact.reader import SHARD_RE, SUMS
 from bloomery.core.errors import (ArtifactError, ArtifactLocked, ArtifactMalformed, OutputNotArtifact,
                                   PublishVerifyFailed)
@@ -113,11 +118,11 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def is_replaceable(out: Path) -> bool:
-    """An empty folder, or one holding only SHA256SUMS and rank*.gguf files."""
+    """An empty folder, or one holding only SHA256SUMS, DIGESTS.json and rank*.gguf files."""
     if not out.is_dir() or out.is_symlink():
         return False
     names = [p.name for p in out.iterdir()]
-    return not names or (SUMS in names and all(n == SUMS or SHARD_RE.fullmatch(n) for n in names))
+    return not names or (SUMS in names and all(n in (SUMS, DIGESTS) or SHARD_RE.fullmatch(n) for n in names))
 
 
 def recover(out: Path) -> list[Path]:
@@ -203,14 +208,14 @@ def publish(out, rank_plans: Sequence[RankPlan], extra_metadata: Mapping[str, An
             if bar is not None:
                 bar.close()
             t1 = time.perf_counter()
-            sums = {}
+            sums, digests = {}, {}
             for p, w in zip(plans, writes):
-                sums.update(verify_rank(tmp, p, w, tp))
+                sums.update(verify_rank(tmp, p, w, tp, digests))
+            for w in writes:
+                w.wait_synced()                     # every shard on disk before SHA256SUMS names it
+            sums[DIGESTS] = _write_synced(tmp / DIGESTS, integrity.dumps(digests))
             sums_text = "".join(f"{h}  {n}\n" for n, h in sorted(sums.items()))
-            with open(tmp / SUMS, "w", encoding="ascii") as f:
-                f.write(sums_text)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_synced(tmp / SUMS, sums_text)
             _fsync_dir(tmp)
             _hook("sums")
             t2 = time.perf_counter()
@@ -222,6 +227,16 @@ def publish(out, rank_plans: Sequence[RankPlan], extra_metadata: Mapping[str, An
         _hook("cleaned")
     t = {"write": t1 - t0, "verify": t2 - t1, "swap": t3 - t2}
     return Published(out, sums, total, t)
+
+
+def _write_synced(path: Path, text: str) -> str:
+    """Writes an ASCII file, fsynced; returns its SHA-256."""
+    data = text.encode("ascii")
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
 def _swap(tmp: Path, out: Path, old_p: str) -> None:
@@ -257,41 +272,68 @@ def _fail(msg):
     raise PublishVerifyFailed(msg)
 
 
-def verify_rank(folder: Path, plan: RankPlan, w: writer.RankWrite, tp: int) -> dict[str, str]:
-    """Re-open every shard of a rank; check structure, SHA-256 of the file and of every tensor,
-    and the decoded spot checks. Returns {file name: file SHA-256}."""
+def verify_rank(folder: Path, plan: RankPlan, w: writer.RankWrite, tp: int,
+                digests: dict | None = None) -> dict[str, str]:
+    """Re-open every shard of a rank; check its structure, size and offsets against what was
+    written, the word sum (core/artifact/integrity.py) of its header and of every GGUF tensor read
+    back against the bytes written (whose SHA-256 and word sums the writer took: DIGESTS.json), and
+    the decoded spot checks; take the file's SHA-256 in one sequential read meanwhile (a second
+    thread). Returns {file name: file SHA-256}; fills `digests` with each shard's DIGESTS.json entry."""
     sums = {}
     by_name = {t.name: t for t in plan.tensors}
     for i, sh in enumerate(w.shards):
         path = folder / sh.name
-        r = GGUFReader(path)
-        where = f"{sh.name}"
-        got = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
-               for t in r.tensors]
-        want = [(g.name, int(g.qtype), tuple(g.shape), g.nbytes) for g in sh.gguf]
-        if got != want:
-            diff = next(((a, b) for a, b in zip(got, want) if a != b), (len(got), len(want)))
-            _fail(f"{where}: tensors read back differ from the plan (first difference: read {diff[0]}, "
-                  f"planned {diff[1]})")
-        f = {k: r.fields[k].contents() for k in ("split.no", "split.count", "split.tensors.count",
-                                                   writer.KEY_RANK, writer.KEY_TP) if k in r.fields}
-        if f != {"split.no": i, "split.count": len(w.shards),
-                 "split.tensors.count": sum(len(s.gguf) for s in w.shards), writer.KEY_RANK: plan.rank,
-                 writer.KEY_TP: tp}:
-            _fail(f"{where}: split / rank keys read back as {f}")
-        ranges = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in r.tensors]
-        fh, th = hash_file(path, ranges)
-        for name, h in th.items():
-            if h != w.sha256[name]:
-                _fail(f"{where}: tensor {name!r} reads back with SHA-256 {h[:16]}..., written "
-                      f"{w.sha256[name][:16]}...")
-        sums[sh.name] = fh
-        data = {t.name: t.data for t in r.tensors}
-        for t in sh.tensors:
-            _spot_check(t, by_name[t.name], data, w.samples[t.name], where)
+        written = w.digests[sh.name]
+        regions = [(0, written["header"]["bytes"], integrity.HEADER),
+                   *((w.offsets[g.name], w.offsets[g.name] + g.nbytes, g.name) for g in sh.gguf)]
+        with ThreadPoolExecutor(1) as pool:             # the file's one sequential read beside the checks
+            read_back = pool.submit(hash_file, path, regions, kinds=("sum",))
+            try:
+                _check_shard(path, i, sh, plan, w, tp, by_name)
+                failed = None
+            except PublishVerifyFailed as e:            # reported after the word sums, which name the bytes
+                failed = e
+            sums[sh.name], sums_back = read_back.result()
+        for name, d in sums_back.items():
+            if name == integrity.HEADER and d["sum"] != written["header"]["sum"]:
+                _fail(f"{sh.name}: its header reads back differently from what was written (word sum)")
+            if name != integrity.HEADER and d["sum"] != written["tensors"][name]["sum"]:
+                _fail(f"{sh.name}: tensor {name!r} reads back differently from what was written (word sum; "
+                      f"SHA-256 written {written['tensors'][name]['sha256'][:16]}...)")
+        if failed is not None:
+            raise failed
+        if digests is not None:
+            digests[sh.name] = written
         _hook("verify")
-        del r, data
     return sums
+
+
+def _check_shard(path: Path, i: int, sh, plan: RankPlan, w: writer.RankWrite, tp: int, by_name: dict) -> None:
+    """verify_rank's checks of shard i as read back: structure, offsets, size, spot checks."""
+    r = GGUFReader(path)
+    where = f"{sh.name}"
+    got = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), int(t.n_bytes))
+           for t in r.tensors]
+    want = [(g.name, int(g.qtype), tuple(g.shape), g.nbytes) for g in sh.gguf]
+    if got != want:
+        diff = next(((a, b) for a, b in zip(got, want) if a != b), (len(got), len(want)))
+        _fail(f"{where}: tensors read back differ from the plan (first difference: read {diff[0]}, "
+              f"planned {diff[1]})")
+    f = {k: r.fields[k].contents() for k in ("split.no", "split.count", "split.tensors.count",
+                                               writer.KEY_RANK, writer.KEY_TP) if k in r.fields}
+    if f != {"split.no": i, "split.count": len(w.shards),
+             "split.tensors.count": sum(len(s.gguf) for s in w.shards), writer.KEY_RANK: plan.rank,
+             writer.KEY_TP: tp}:
+        _fail(f"{where}: split / rank keys read back as {f}")
+    written = w.digests[sh.name]
+    moved = [t.name for t in r.tensors if int(t.data_offset) != w.offsets[t.name]]
+    if int(r.data_offset) != written["header"]["bytes"] or moved or path.stat().st_size != written["bytes"]:
+        _fail(f"{where}: reads back with data at byte {int(r.data_offset)} and {path.stat().st_size} bytes, "
+              f"written {written['header']['bytes']} and {written['bytes']}"
+              + (f" (tensor {moved[0]!r} moved)" if moved else ""))
+    data = {t.name: t.data for t in r.tensors}
+    for t in sh.tensors:
+        _spot_check(t, by_name[t.name], data, w.samples[t.name], where)
 
 
 def _spot_check(t, planned, data, samples, where):
@@ -302,43 +344,10 @@ def _spot_check(t, planned, data, samples, where):
             sub = arrays
         else:
             sub = layout.rows_of_gguf(t.format, t.shape, layout.take_lead(arrays, t.shape[:-2], li), r0, r1)
-        got = writer.decoded_digest(fmt.decode(layout.from_gguf(t.format, sub, where)))
+        got = writer.decoded_digest(fmt.decode(layout.from_gguf(t.format, sub, where), check=False))  # checked there
         if got != digest:
             _fail(f"{where}: artifact tensor {t.name!r} ({t.format}) matrix {li} rows [{r0}, {r1}) "
                   f"decodes differently from the planned parts ({', '.join(planned.sources[:2])})")
-
-
-def hash_file(path: Path, ranges: list[tuple[int, int, str]], block: int = 16 << 20) -> tuple[str, dict[str, str]]:
-    """One sequential read: the file's SHA-256 and each [start, stop) range's SHA-256."""
-    fh = hashlib.sha256()
-    hs = {name: hashlib.sha256() for _, _, name in ranges}
-    rs = sorted(ranges)
-    buf = bytearray(block)
-    mv = memoryview(buf)
-    pos, j = 0, 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            chunk = mv[:n]
-            fh.update(chunk)
-            end = pos + n
-            while j < len(rs) and rs[j][1] <= pos:
-                j += 1
-            k = j
-            while k < len(rs) and rs[k][0] < end:
-                a, b, name = rs[k]
-                lo, hi = max(a, pos), min(b, end)
-                if hi > lo:
-                    hs[name].update(chunk[lo - pos:hi - pos])
-                k += 1
-            pos = end
-            try:
-                os.posix_fadvise(f.fileno(), 0, pos, os.POSIX_FADV_DONTNEED)
-            except (AttributeError, OSError):
-                pass
-    return fh.hexdigest(), {k: h.hexdigest() for k, h in hs.items()}
 
 
 __all__ = ["publish", "Published", "recover", "side_names", "verify_rank", "hash_file", "is_replaceable",

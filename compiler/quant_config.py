@@ -1,5 +1,19 @@
 """A checkpoint's quantization config, from whichever file carries it, and which stored
-format each module is in (the one place that maps a quant_algo to a format)."""
+format each module is in (the one place that maps a quant_algo to a format).
+
+The forms ModelOpt has written (modelopt/torch/export: quant_utils.get_quant_config and
+convert_hf_config.convert_hf_quant_config_format):
+
+- hf_quant_config.json, 0.x releases: {"producer": ..., "quantization": {"quant_algo",
+  "kv_cache_quant_algo", "group_size", "exclude_modules" | "quantized_layers"}};
+- the flat form: {"quant_method": "modelopt", "quant_algo", "kv_cache_scheme" (a dict such as
+  {"num_bits": 8, "type": "float"}, or a name), "ignore", "config_groups", "quantized_layers"}:
+  config.json's quantization_config, and hf_quant_config.json of later releases;
+- quant_algo in either case ("fp8_pb_wo" is written lower-case); exclude_modules / ignore as
+  fnmatch patterns ("lm_head", "model.layers.*.mlp.gate", "*router*", a prefix "name*"), a
+  pattern also covering the modules below the one it names; MIXED_PRECISION's quantized_layers
+  naming a module or a parent of modules ("model.layers.N.mlp.experts" for the experts below).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +29,8 @@ ALGO_FORMATS: dict[str, str] = {
     "NVFP4": "nvfp4",
     "NVFP4_AWQ": "nvfp4",
     "W4A16_NVFP4": "nvfp4",
+    "W4A8_NVFP4_FP8": "nvfp4_g32",    # NVFP4 weights with an E4M3 scale per 32, FP8 activations
+    "W4A8_MXFP4_FP8": "mxfp4",        # MXFP4 weights, FP8 activations (input_scale)
     "MXFP8": "mxfp8",
     "MXFP4": "mxfp4",
     "FP8": "fp8_tensor",
@@ -101,10 +117,24 @@ def _kv_algo(value, where: str) -> str | None:
     return algo
 
 
+def _field(q: dict, keys: tuple[str, ...], kind: type, where: str):
+    """The first of `keys` that q holds (None if none), refused by name unless of `kind`."""
+    key = next((k for k in keys if q.get(k) is not None), None)
+    if key is None:
+        return None
+    v = q[key]
+    if not isinstance(v, kind) or isinstance(v, bool) or (kind is list and not all(isinstance(p, str) for p in v)):
+        want = {list: "a list of module-name patterns", dict: "an object of module -> config", int: "an integer"}[kind]
+        raise UnreadableJSON(f"{where}: {key!r} is {json.dumps(v)[:80]}; expected {want}. Fix or re-export the "
+                             "file.")
+    return v
+
+
 def _modelopt(q: dict, where: str) -> QuantConfig:
+    """Either ModelOpt form: the "quantization" object of hf_quant_config.json or the flat one."""
     algo = _algo(q.get("quant_algo"), where)
     layers = {}
-    for module, cfg in (q.get("quantized_layers") or {}).items():
+    for module, cfg in (_field(q, ("quantized_layers",), dict, where) or {}).items():
         a = cfg.get("quant_algo") if isinstance(cfg, dict) else cfg
         layers[module] = _algo(a, f"{where} quantized_layers[{module!r}]")
     if algo == "MIXED_PRECISION" and not layers:
@@ -112,22 +142,32 @@ def _modelopt(q: dict, where: str) -> QuantConfig:
     return QuantConfig(
         source=where,
         quant_algo=algo,
-        kv_cache_quant_algo=_kv_algo(q.get("kv_cache_quant_algo", q.get("kv_cache_scheme")), where),
-        group_size=q.get("group_size"),
-        exclude=list(q.get("exclude_modules") or q.get("ignore") or []),
+        kv_cache_quant_algo=_kv_algo(next((q[k] for k in ("kv_cache_quant_algo", "kv_cache_scheme")
+                                            if q.get(k) is not None), None), where),
+        group_size=_field(q, ("group_size",), int, where),
+        exclude=list(_field(q, ("exclude_modules", "ignore"), list, where) or []),
         quantized_layers=layers,
     )
 
 
+def _is_flat(obj: dict) -> bool:
+    """ModelOpt's flat form: the fields at the top, beside quant_method "modelopt" (or its producer)."""
+    producer = obj.get("producer")
+    return ("quant_algo" in obj or str(obj.get("quant_method", "")).lower() == "modelopt"
+            or (isinstance(producer, dict) and producer.get("name") == "modelopt"))
+
+
 def load(folder: Path, config: dict) -> QuantConfig:
-    """The quantization config of a checkpoint folder: hf_quant_config.json first, then
-    config.json's quantization_config (quant_method "modelopt", or "fp8" with weight_block_size)."""
+    """The quantization config of a checkpoint folder: hf_quant_config.json first (either form),
+    then config.json's quantization_config (quant_method "modelopt", or "fp8" with weight_block_size)."""
     hf = folder / "hf_quant_config.json"
     if hf.exists():
         obj = read_json(hf)
-        if not isinstance(obj.get("quantization"), dict):
-            raise UnreadableJSON(f"{hf}: no \"quantization\" object.")
-        return _modelopt(obj["quantization"], str(hf))
+        q = obj.get("quantization", obj if _is_flat(obj) else None)
+        if not isinstance(q, dict):
+            raise UnreadableJSON(f"{hf}: neither a \"quantization\" object (ModelOpt 0.x) nor a flat ModelOpt config "
+                                 "(quant_method \"modelopt\" with quant_algo at the top). Fix or re-export the file.")
+        return _modelopt(q, str(hf))
     qc = config.get("quantization_config")
     if qc is None:
         return QuantConfig()
@@ -141,12 +181,12 @@ def load(folder: Path, config: dict) -> QuantConfig:
         block = qc.get("weight_block_size")
         if block is None:
             algo = "FP8"
-        elif list(block) in ([128, 128], [32, 32]):
+        elif block in ([128, 128], [32, 32]):
             algo = f"FP8_BLOCK{block[0]}"
         else:
             raise UnknownQuantAlgo(f"{where}: fp8 weight_block_size {block} (bloomery reads [128, 128] "
                                    "and [32, 32]).")
         return QuantConfig(source=where, quant_algo=algo,
-                           exclude=list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []))
+                           exclude=list(_field(qc, ("modules_to_not_convert", "ignored_layers"), list, where) or []))
     raise UnknownQuantAlgo(f"{where}: quant_method {qc.get('quant_method')!r} is not one bloomery reads "
                            "(known: modelopt, fp8).")

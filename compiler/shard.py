@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class Shard:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._fd = None                  # opened on the first view; each view maps its own tensor
         size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
             head = f.read(8)
@@ -108,7 +110,15 @@ class Shard:
         dt = dtypes.to_numpy(t.dtype)
         if t.nbytes == 0:
             return np.zeros(t.shape, dt)
-        return np.memmap(self.path, dtype=dt, mode="r", offset=t.begin, shape=t.shape)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        start = t.begin - t.begin % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self._fd, t.begin + t.nbytes - start, offset=start, access=mmap.ACCESS_READ)
+        return np.frombuffer(m, dt, math.prod(t.shape), t.begin - start).reshape(t.shape)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def __repr__(self) -> str:
         return f"Shard({self.path.name!r}, {len(self.tensors)} tensors)"

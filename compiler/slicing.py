@@ -15,7 +15,6 @@ import numpy as np
 
 from bloomery.core import formats, specs
 from bloomery.core.errors import FormatNotAllowed, NotOnBlockBoundary, SpecError, TPNotDivisible
-from bloomery.core.formats import nvfp4
 
 AXIS = {"column": -2, "row": -1}
 Q8_BLOCK = 32
@@ -68,9 +67,10 @@ def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where:
                     unit: int | None = None) -> None:
     """Refuse a cut of a tensor of logical `shape` (per expert) over tp ranks that is uneven
     without a unit, or has fewer units than ranks (TPNotDivisible), or has a rank's slice start
-    or stop off the format's block (NotOnBlockBoundary); nvfp4 row cuts of a row length the
-    artifact repacks into GGML NVFP4 (a multiple of 64) must keep 64. A segments cut: `unit` is
-    its ((length, unit), ...)."""
+    or stop off the format's block (NotOnBlockBoundary). The block is the format's own (NVFP4's
+    16): a rank's NVFP4 slice that is not a multiple of GGML's super-block of 64 is held in the
+    stored layout (core/artifact/layout.layout_name). A segments cut: `unit` is its
+    ((length, unit), ...)."""
     if cut == "segments":
         return _check_segments(fmt, shape, unit, tp, where)
     if tp == 1 or cut == "replicated":
@@ -80,15 +80,12 @@ def check_partition(fmt: formats.Format, cut: str, shape: tuple, tp: int, where:
     side = "in (columns)" if cut == "row" else "out (rows)"
     _check_units(f"{where}: {fmt.name} axis {side} of length {n}", n, tp, unit, f" Use a tp that divides {n}.")
     block = fmt.cut_unit(axis)
-    why = "the format's block"
-    if fmt.name == "nvfp4" and axis == -1 and n % nvfp4.GGML_BLOCK == 0:
-        block, why = nvfp4.GGML_BLOCK, "GGML NVFP4's super-block (the artifact repacks rows of a multiple of 64)"
     for rank in range(tp):
         start, stop = rank_range(n, tp, rank, unit)
         if start % block or (stop % block and stop != n):
             raise NotOnBlockBoundary(f"{where}: {fmt.name} axis {side} of length {n} cut for tp {tp} gives rank "
-                                     f"{rank} the slice {start}..{stop}, not on a multiple of {block} ({why}). "
-                                     f"Use a tp whose slices fall on multiples of {block}.")
+                                     f"{rank} the slice {start}..{stop}, not on a multiple of {block} (the "
+                                     f"format's block). Use a tp whose slices fall on multiples of {block}.")
 
 
 def q8_allowed(cut: str, shape: tuple, tp: int, unit: int | None = None) -> bool:
@@ -107,10 +104,11 @@ def _unit_shape(a: np.ndarray) -> np.ndarray:
 
 
 def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, stacked: bool,
-             q8: bool, where: str, scalar: bool = False, unit: int | None = None,
+             out_fmt: str, where: str, scalar: bool = False, unit: int | None = None,
              joined: bool = False) -> Callable[[], dict]:
-    """This rank's parts, produced when called. `experts` are QuantTensors (one unless stacked, or
-    joined: the shards of one table, concatenated along axis 0)."""
+    """This rank's parts in `out_fmt`, produced when called: fmt's own, q8_0 (the lever), or the
+    format fmt is held as. `experts` are QuantTensors (one unless stacked, or joined: the shards of
+    one table, concatenated along axis 0)."""
     axis = AXIS.get(cut)
 
     def one(qt) -> dict:
@@ -122,7 +120,7 @@ def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, s
             return parts
         ax = axis if len(fmt.shape(parts)) > 1 else -1   # a 1-D column cut: its only axis (a bias's rows)
         start, stop = rank_range(fmt.shape(parts)[ax], tp, rank, unit)
-        return fmt.cut(parts, ax, start, stop, where)
+        return fmt.cut(parts, ax, start, stop, where, check=False)    # checked by the reader; the writer checks the cut
 
     def produce() -> dict:
         if joined:
@@ -138,8 +136,10 @@ def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, s
                     if i == 0:
                         out[k] = np.empty((len(experts),) + v.shape, v.dtype)
                     out[k][i] = v
-        if q8:
+        if out_fmt == "q8_0" != fmt.name:
             return formats.get("q8_0").encode(fmt.decode(out, where))
+        if out_fmt != fmt.name:
+            out = fmt.held(out, where)
         if scalar:                                # a one-value tensor (stored as [] or [1]) planned as [1]
             return {k: np.asarray(v).reshape((1,)) for k, v in out.items()}
         return out

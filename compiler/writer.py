@@ -2,11 +2,14 @@
 
 gguf-py's GGUFWriter writes the header, the metadata and the tensor infos (sizes known up
 front from core/artifact/layout.gguf_parts); then each tensor's bytes are written as its
-planned `produce()` yields them, the main tensor in row chunks (core/artifact/layout.iter_gguf),
-so memory stays bounded by one tensor's parts plus a chunk. Every GGUF tensor's SHA-256 is
-taken as it is written, and a few rows of every tensor are decoded from the planned parts
-(hashed) for publish's spot check. Deterministic: no timestamps, sorted keys and JSON, the
-plan's tensor order.
+planned `produce()` yields them, the main tensor in row chunks (core/artifact/layout.iter_gguf).
+Two threads (`_Sink`s) take the chunks from there: one writes them, the other digests them
+(file writes and hashlib release the GIL), while this thread produces, checks and repacks the
+next ones; memory stays bounded by one tensor's parts plus the bytes in flight (SINK_BYTES). The digests are
+DIGESTS.json's (core/artifact/integrity.py: the SHA-256 and word sum of the header and of every
+GGUF tensor), which publish's re-read of the file checks (compiler/publish.verify_rank).
+A few rows of every tensor are decoded from the planned parts (hashed) for publish's spot
+check. Deterministic: no timestamps, sorted keys and JSON, the plan's tensor order.
 
 Metadata (every shard): general.architecture, split.no (u16), split.count (u16),
 split.tensors.count (i32), bloomery.rank, bloomery.tp (u32). The first shard of a rank
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,13 +34,15 @@ from gguf import GGUFWriter
 from gguf.gguf_writer import GGUFValue
 
 from bloomery.core import formats
-from bloomery.core.artifact import layout
+from bloomery.core.artifact import integrity, layout
 from bloomery.core.errors import ArtifactMalformed, MetadataTypeError
 
 from .planned import PlannedTensor, RankPlan
 
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 CHUNK_BYTES = 32 << 20
+SINK_BYTES = 4 * CHUNK_BYTES     # bytes handed to the writer thread and not yet written: at most this, or one job
+BATCH_BYTES = 1 << 20            # the writer thread's jobs: a chunk, or small ones gathered to this many bytes
 ALIGN = 32
 
 KEY_TENSORS = "bloomery.tensors"
@@ -162,8 +168,11 @@ def tensor_table(shards: list[ShardPlan]) -> dict[str, dict]:
     name the `.weight` tensor)."""
     table = {}
     for sh in shards:
+        by_base: dict[str, dict[str, str]] = {}
+        for g in sh.gguf:
+            by_base.setdefault(g.base, {})[g.suffix] = g.name
         for t in sh.tensors:
-            names = {g.suffix: g.name for g in sh.gguf if g.base == t.name}
+            names = by_base[t.name]
             parts = dict(names)
             if "scale" not in names and t.format in ("nvfp4", "mxfp4"):
                 parts["scale"] = names["weight"]
@@ -204,7 +213,7 @@ def sample_parts(fmt_name: str, shape, parts, li: int, r0: int, r1: int) -> dict
     if len(shape) < 2:
         return parts
     sub = layout.take_lead(parts, shape[:-2], li)
-    return fmt.cut(sub, -2, r0, r1)
+    return fmt.cut(sub, -2, r0, r1, check=False)          # the writer checked the parts once
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -212,10 +221,23 @@ def sample_parts(fmt_name: str, shape, parts, li: int, r0: int, r1: int) -> dict
 
 @dataclass
 class RankWrite:
+    """What was written, per shard: DIGESTS.json's entry (bytes, header, GGUF tensors) and each GGUF
+    tensor's data offset; per artifact tensor its spot-check digests."""
+
     rank: int
     shards: list[ShardPlan]
-    sha256: dict[str, str] = field(default_factory=dict)        # GGUF tensor name -> hex
+    digests: dict[str, dict] = field(default_factory=dict)      # shard file name -> DIGESTS.json entry
+    offsets: dict[str, int] = field(default_factory=dict)       # GGUF tensor name -> data offset in its file
     samples: dict[str, list] = field(default_factory=dict)      # base -> [(li, r0, r1, digest)]
+    syncs: list = field(default_factory=list)                   # each shard's fsync, run behind (wait_synced)
+
+    def wait_synced(self) -> None:
+        """Every shard fsynced and closed (an fsync's error raised here)."""
+        for t in self.syncs:
+            t.join()
+        err = next((t.err for t in self.syncs if t.err is not None), None)
+        if err is not None:
+            raise err
 
     @property
     def files(self) -> list[str]:
@@ -247,44 +269,198 @@ def shard_metadata(plan: RankPlan, i: int, shards: list[ShardPlan], extra: Mappi
     return arch, kv
 
 
+class _Sink:
+    """A worker thread of the writer: runs the jobs it is handed (write chunks, or digest them) in
+    order, while at most `budget` bytes wait (a job bigger than that waits alone). An error there
+    comes back at the next put or drain, and the jobs after it are skipped."""
+
+    def __init__(self, budget: int):
+        self._jobs: list = []
+        self._cv = threading.Condition()
+        self._budget, self._waiting, self._err = budget, 0, None
+        self._t = threading.Thread(target=self._run, name="bloomery-writer", daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                job, n = self._jobs[0]
+            if job is None:
+                return
+            try:
+                if self._err is None:
+                    job()
+            except BaseException as e:           # handed back to the producing thread
+                self._err = e
+            with self._cv:
+                self._jobs.pop(0)
+                self._waiting -= n
+                self._cv.notify_all()
+
+    def _raise(self):
+        if self._err is not None:
+            raise self._err
+
+    def put(self, job, nbytes: int = 0) -> None:
+        with self._cv:
+            while self._waiting and self._waiting + nbytes > self._budget and self._err is None:
+                self._cv.wait()
+            self._raise()
+            self._jobs.append((job, nbytes))
+            self._waiting += nbytes
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        with self._cv:
+            while self._jobs:
+                self._cv.wait()
+        self._raise()
+
+    def close(self) -> None:
+        with self._cv:
+            self._jobs.append((None, 0))
+            self._cv.notify_all()
+        self._t.join()
+
+
 def write_rank(folder, plan: RankPlan, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                extra_metadata: Mapping[str, Any] | None = None, tokenizer_json: str | None = None,
                chat_template: str | None = None, progress=None, chunk_bytes: int = CHUNK_BYTES,
                hook=None, shards: list[ShardPlan] | None = None) -> RankWrite:
-    """Write the rank's shards into `folder` (fsynced); return their tensors' SHA-256 and the
-    spot-check digests. `progress`: an object with update(nbytes) (a tqdm bar) or None.
+    """Write the rank's shards into `folder` (each fsynced behind: RankWrite.wait_synced); return
+    their digests and the spot-check digests. `progress`: an object with update(nbytes) (a tqdm
+    bar) or None.
     `hook(point)`: called after each artifact tensor ("tensor") and shard ("shard")."""
     folder = Path(folder)
     shards = shards if shards is not None else plan_shards(plan, max_shard_bytes)
     res = RankWrite(plan.rank, shards)
-    for i, sh in enumerate(shards):
-        arch, kv = shard_metadata(plan, i, shards, extra_metadata, tokenizer_json, chat_template)
-        w = GGUFWriter(None, arch)
-        for k, v in kv.items():
-            w.add_key_value(k, v.value, v.type, v.sub_type)
-        for g in sh.gguf:
-            w.add_tensor_info(g.name, g.shape, np.dtype(np.float32), g.nbytes, raw_dtype=g.qtype)
-        w.write_header_to_file(folder / sh.name)
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        fout = w.fout[0]
-        expected = iter(sh.gguf)
-        for t in sh.tensors:
-            _write_tensor(w, fout, t, expected, res, progress, chunk_bytes)
+    sinks = (_Sink(SINK_BYTES), _Sink(SINK_BYTES))        # writes; digests
+    try:
+        for i, sh in enumerate(shards):
+            arch, kv = shard_metadata(plan, i, shards, extra_metadata, tokenizer_json, chat_template)
+            w = GGUFWriter(None, arch)
+            for k, v in kv.items():
+                w.add_key_value(k, v.value, v.type, v.sub_type)
+            for g in sh.gguf:
+                w.add_tensor_info(g.name, g.shape, np.dtype(np.float32), g.nbytes, raw_dtype=g.qtype)
+            w.write_header_to_file(folder / sh.name)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            fout = w.fout[0]
+            out = _Out(sinks, fout, folder / sh.name, w.data_alignment, res, progress)
+            expected = iter(sh.gguf)
+            for t in sh.tensors:
+                _write_tensor(out, t, expected, res, chunk_bytes)
+                if hook:
+                    hook("tensor")
+            left = next(expected, None)
+            if left is not None:
+                raise ArtifactMalformed(f"{sh.name}: GGUF tensor {left.name!r} was planned but never written")
+            out.flush()
+            for sink in sinks:
+                sink.drain()
+            out.finish(sh.name)
+            fout.flush()
+            res.syncs.append(_Fsync(w))
             if hook:
-                hook("tensor")
-        left = next(expected, None)
-        if left is not None:
-            raise ArtifactMalformed(f"{sh.name}: GGUF tensor {left.name!r} was planned but never written")
-        fout.flush()
-        os.fsync(fout.fileno())
-        w.close()
-        if hook:
-            hook("shard")
+                hook("shard")
+    finally:
+        for sink in sinks:
+            sink.close()
     return res
 
 
-def _write_tensor(w, fout, t: PlannedTensor, expected, res: RankWrite, progress, chunk_bytes):
+class _Fsync(threading.Thread):
+    """A written shard's fsync and close, behind the caller (publish re-reads the shard meanwhile and
+    waits for it before SHA256SUMS: RankWrite.wait_synced)."""
+
+    def __init__(self, w: GGUFWriter):
+        super().__init__(name="bloomery-fsync", daemon=True)
+        self.w, self.err = w, None
+        self.start()
+
+    def run(self):
+        try:
+            os.fsync(self.w.fout[0].fileno())
+            self.w.close()
+        except BaseException as e:
+            self.err = e
+
+
+class _Out:
+    """One shard's bytes after gguf-py's header: written by one thread and digested by another, in
+    jobs of at least BATCH_BYTES (or a shard's last), the position kept here (so the padding is
+    known without asking the file). The header (metadata and tensor infos, padded to the data
+    alignment) is read back once and digested first."""
+
+    def __init__(self, sinks: tuple[_Sink, _Sink], fout, path: Path, align: int, res: RankWrite, progress):
+        self.sinks, self.fout, self.align, self.res, self.progress = sinks, fout, align, res, progress
+        fout.flush()
+        n = fout.tell()
+        pad = bytes(-n % align)
+        fout.write(pad)
+        with open(path, "rb") as f:
+            head = f.read(n) + pad
+        self.pos = len(head)
+        self.tensors: dict[str, dict] = {}       # filled by the writer thread, in file order
+        self.header = {"bytes": self.pos, "sha256": hashlib.sha256(head).hexdigest(),
+                       "sum": integrity.word_sum(head)}
+        self._batch: list = []                   # (bytes, hashes) to write, or (name, hashes) done
+        self._batch_bytes = 0
+
+    def pad(self) -> None:
+        n = -self.pos % self.align
+        if n:
+            self.write(bytes(n), ())
+
+    def write(self, b, hashes) -> None:
+        self._batch.append((b, hashes))
+        self._batch_bytes += len(b)
+        self.pos += len(b)
+        if self._batch_bytes >= BATCH_BYTES:
+            self.flush()
+
+    def begin(self, name: str) -> tuple:
+        """The digests of GGUF tensor `name`, which starts here (aligned)."""
+        self.pad()
+        self.res.offsets[name] = self.pos
+        return hashlib.sha256(), integrity.WordSum()
+
+    def end(self, name: str, hashes) -> None:
+        self._batch.append((name, hashes))
+        self.pad()
+
+    def flush(self) -> None:
+        """Hand the batch to the two threads."""
+        batch, n, fout, progress, tensors = self._batch, self._batch_bytes, self.fout, self.progress, self.tensors
+        self._batch, self._batch_bytes = [], 0
+
+        def write():
+            for item, hashes in batch:
+                if not isinstance(item, str):
+                    fout.write(item)
+                    if hashes and progress is not None:
+                        progress.update(len(item))
+
+        def digest():
+            for item, hashes in batch:
+                if isinstance(item, str):            # a GGUF tensor's last byte went by: its digests
+                    tensors[item] = {"sha256": hashes[0].hexdigest(), "sum": hashes[1].hexdigest()}
+                    continue
+                for h in hashes:
+                    h.update(item)
+        if batch:
+            self.sinks[0].put(write, n)
+            self.sinks[1].put(digest, n)
+
+    def finish(self, shard: str) -> None:
+        """After the writer thread drained: the shard's digests into the RankWrite."""
+        self.res.digests[shard] = {"bytes": self.pos, "header": self.header, "tensors": self.tensors}
+
+
+def _write_tensor(out: _Out, t: PlannedTensor, expected, res: RankWrite, chunk_bytes: int):
     where = f"artifact tensor {t.name!r} ({', '.join(t.sources[:2])}{', ...' if len(t.sources) > 2 else ''})"
     parts = t.produce()
     fmt = formats.get(t.format)
@@ -295,7 +471,8 @@ def _write_tensor(w, fout, t: PlannedTensor, expected, res: RankWrite, progress,
         raise ArtifactMalformed(f"{where}: produce() gave {t.format} of shape {list(got_shape)} with "
                                 f"optional parts {list(got_opt)}; the plan says {list(t.shape)} with "
                                 f"{list(t.optional)}")
-    res.samples[t.name] = [(li, r0, r1, decoded_digest(fmt.decode(sample_parts(t.format, t.shape, parts, li, r0, r1))))
+    res.samples[t.name] = [(li, r0, r1, decoded_digest(fmt.decode(sample_parts(t.format, t.shape, parts, li, r0, r1),
+                                                                  check=False)))        # a cut of checked parts
                            for li, r0, r1 in sample_windows(t.format, t.shape)]
     cur, h, n = None, None, 0
 
@@ -305,21 +482,16 @@ def _write_tensor(w, fout, t: PlannedTensor, expected, res: RankWrite, progress,
         if n != cur.nbytes:
             raise ArtifactMalformed(f"{where}: GGUF tensor {cur.name!r} came out {n} bytes; "
                                     f"its header says {cur.nbytes}")
-        w.write_padding(fout, n)
-        res.sha256[cur.name] = h.hexdigest()
+        out.end(cur.name, h)
 
-    for suffix, chunk in layout.iter_gguf(t.format, parts, chunk_bytes, where):
+    for suffix, chunk in layout.iter_gguf(t.format, parts, chunk_bytes, where, checked=True):
         if cur is None or suffix != cur.suffix:
             finish()
             cur = next(expected)
             if cur.suffix != suffix or cur.base != t.name:
                 raise ArtifactMalformed(f"{where}: layout yielded {suffix!r} where {cur.name!r} was planned")
-            w.write_padding(fout, fout.tell())
-            h, n = hashlib.sha256(), 0
+            h, n = out.begin(cur.name), 0
         b = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
-        fout.write(b)
-        h.update(b)
+        out.write(b, h)
         n += len(b)
-        if progress is not None:
-            progress.update(len(b))
     finish()

@@ -182,7 +182,12 @@ class ArtifactMissingShard(ArtifactError):
 
 
 class ArtifactChecksumMismatch(ArtifactError):
-    """A file of the artifact does not match its SHA-256 in SHA256SUMS."""
+    """A file of the artifact does not match its SHA-256 in SHA256SUMS, or a shard's header or tensor
+    its digest in DIGESTS.json."""
+
+
+class ShardSizeMismatch(ArtifactError):
+    """A shard's size is not the one DIGESTS.json records (truncated, or bytes added)."""
 
 
 class ArtifactLocked(ArtifactError):

@@ -54,7 +54,7 @@ OPS: dict[str, OpSig] = {
                      optional=("offset",)),
     "linear": OpSig(reads=("x",), writes=("out",), weights=("weight",), attrs=("format", "pre_quant_scale")),
     "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta"),
-                  optional=("rotary_dim",)),
+                  optional=("rotary_dim", "scaling")),      # scaling: core/rope.py (llama3, yarn)
     "attention": OpSig(reads=("q", "k", "v", "pos", "slot"), writes=("out",), state=("cache_k", "cache_v"),
                        attrs=("heads", "kv_heads", "head_dim", "scale", "mode"), opt_reads=("select",)),
     "swiglu": OpSig(reads=("gate", "up"), writes=("out",), optional=("limit",)),
@@ -130,20 +130,34 @@ def buffers_of(op: dict) -> list[str]:
 
 def validate(plan: dict, where: str = "plan") -> None:
     """Refuse a plan that breaks the schema, naming the op and the key."""
+    if not isinstance(plan, dict):
+        raise PlanInvalid(f"{where}: not a JSON object; re-prepare the artifact")
     if plan.get("version") != VERSION:
         raise PlanInvalid(f"{where}: plan version {plan.get('version')!r}, this bloomery reads {VERSION}; "
                           f"re-prepare the artifact")
+    model = plan.get("model")
+    if not isinstance(model, dict) or not all(_count(model.get(k)) for k in ("vocab_size", "context_length")):
+        raise PlanInvalid(f"{where}: \"model\" is not an object with positive integers vocab_size and context_length")
     bufs = plan.get("buffers", {})
+    if not isinstance(bufs, dict):
+        raise PlanInvalid(f"{where}: \"buffers\" is not an object")
     for name, b in bufs.items():
-        if b.get("dtype") not in DTYPES or b.get("kind") not in KINDS:
+        if not isinstance(b, dict) or b.get("dtype") not in DTYPES or b.get("kind") not in KINDS:
+            b = b if isinstance(b, dict) else {}
             raise PlanInvalid(f"{where}: buffer {name!r} has dtype {b.get('dtype')!r} / kind {b.get('kind')!r}")
-        for d in b.get("shape", ()):
-            if not (isinstance(d, int) or d in SYMBOLS):
-                raise PlanInvalid(f"{where}: buffer {name!r} has shape entry {d!r} (an int or one of {SYMBOLS})")
+        if not isinstance(b.get("shape"), list):
+            raise PlanInvalid(f"{where}: buffer {name!r} has no shape list")
+        for d in b["shape"]:
+            if not (_count(d, 0) or (isinstance(d, str) and d in SYMBOLS)):
+                raise PlanInvalid(f"{where}: buffer {name!r} has shape entry {d!r} (an int >= 0 or one of {SYMBOLS})")
+    progs = plan.get("programs")
     for prog in PROGRAMS:
-        if prog not in plan.get("programs", {}):
-            raise PlanInvalid(f"{where}: program {prog!r} is missing")
-        for i, op in enumerate(plan["programs"][prog]["ops"]):
+        body = progs.get(prog) if isinstance(progs, dict) else None
+        if not isinstance(body, dict) or not isinstance(body.get("ops"), list):
+            raise PlanInvalid(f"{where}: program {prog!r} is missing (or has no list of ops)")
+        for i, op in enumerate(body["ops"]):
+            if not isinstance(op, dict) or not isinstance(op.get("op"), str):
+                raise PlanInvalid(f"{where}: {prog} op {i} is not an object with an \"op\" name")
             at = f"{where}: {prog} op {i} ({op.get('op')})"
             sig = OPS.get(op.get("op"))
             if sig is None:
@@ -154,9 +168,17 @@ def validate(plan: dict, where: str = "plan") -> None:
                      and k not in sig.opt_reads]
             if missing or extra:
                 raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
+            names = [op[k] for k in (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.opt_reads) if k in op]
+            if not all(isinstance(n, str) for n in names):
+                raise PlanInvalid(f"{at}: a buffer or weight name is not a string: {names}")
             for b in buffers_of(op):
                 if b not in bufs:
                     raise PlanInvalid(f"{at}: buffer {b!r} is not declared")
+
+
+def _count(v, least: int = 1) -> bool:
+    """An int (not a bool) of at least `least`."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def shape(buf: dict, symbols: dict[str, int]) -> tuple[int, ...]:

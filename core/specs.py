@@ -1,5 +1,5 @@
 """Architecture specs (specs/<family>.yaml) and the role table (specs/roles.yaml): loaded with
-yaml.safe_load, validated into frozen objects, refused with SpecError naming file and field.
+yaml's safe loader (libyaml's where installed), validated into frozen objects, refused with SpecError naming file and field.
 
 A spec file holds:
     family        name of the spec (the file stem)
@@ -14,7 +14,8 @@ A spec file holds:
     checks        [{expr, error, message}]: config checks; a false expr raises errors.<error>
                   with message.format(**values)
     tp_checks     the same, evaluated with `tp` as well (plan time)
-    metadata      GGUF key -> {value: expression, type: u32|i32|f32|bool|str}: the same on every rank
+    metadata      GGUF key -> {value: expression, type: u32|i32|f32|bool|str, when?: expression (the
+                  key is written only where it holds: the rope scaling keys)}: the same on every rank
     rank_metadata the same, expressions may use `tp` and `rank`: per-rank values
     tensors       [{hf, name, role, shape, cut, when?, experts?}]:
                     hf     HF name template; {bid} the layer, {xid} the expert
@@ -62,7 +63,8 @@ arithmetic, comparisons, `in`, and/or/not, `a if c else b`, indexing (`layer_typ
 calls of `share(n, tp, rank)` (rank's count when n units are shared out over tp ranks, as a
 `unit` cut does), `len(xs)`, `outside(xs, allowed)` (the items of xs not in allowed),
 `index(xs, x)` (x's position in xs, -1 when absent), `first(x)` (a list's first item, else x), `chunks(n, parts)` (how many pieces
-torch.chunk gives) and `ngram(vocab, ngram_size, heads_per_ngram, base, seed, layer_index,
+torch.chunk gives), `yarn_attention_factor(factor, attention_factor, mscale, mscale_all_dim)`
+(core/rope.py) and `ngram(vocab, ngram_size, heads_per_ngram, base, seed, layer_index,
 divisor)` (core/ngram.tables as a dict: multipliers, sizes, offsets, rows); every name must be
 one the context defines (checked at load).
 """
@@ -79,7 +81,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from . import errors, ngram
+from . import errors, ngram, rope
 from .errors import MissingConfigKey, SpecError
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -132,7 +134,7 @@ def first(x):
 
 
 FUNCS = {"share": share, "len": len, "outside": outside, "index": index, "ngram": _ngram, "chunks": _chunks,
-         "first": first}
+         "first": first, "yarn_attention_factor": rope.yarn_attention_factor}
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,23 @@ class Expr:
     names: frozenset
 
     def __call__(self, env: dict) -> Any:
-        return _eval(self.tree.body, env)
+        try:
+            return _eval(self.tree.body, env)
+        except (TypeError, ValueError, ArithmeticError, IndexError, KeyError) as e:    # config.json's values
+            used = {n: env[n] for n in sorted(self.names) if n in env and n not in IMPLICIT}
+            raise errors.UnsupportedConfig(f"config.json: the spec's expression {self.text!r} cannot be evaluated on "
+                                           f"{used} ({type(e).__name__}: {e}); a value of config.json has the wrong "
+                                           f"type or range: fix it or re-export the checkpoint") from None
+
+    def as_int(self, env: dict) -> int:
+        """The value as an int (a count, a size), or UnsupportedConfig naming the expression."""
+        v = self(env)
+        try:
+            return int(v)
+        except (TypeError, ValueError, OverflowError):
+            raise errors.UnsupportedConfig(f"config.json: the spec's expression {self.text!r} is {v!r}, not an "
+                                           f"integer; a value of config.json has the wrong type: fix it or "
+                                           f"re-export the checkpoint") from None
 
 
 def _eval(n, env):
@@ -220,10 +238,21 @@ class Check:
 class Meta:
     expr: Expr
     type: str
+    when: Expr | None = None
+
+    def applies(self, env: dict) -> bool:
+        return self.when is None or bool(self.when(env))
 
     def value(self, env: dict):
         v = self.expr(env)
-        return TYPES[self.type](v)
+        try:
+            out = TYPES[self.type](v)
+            if np.ndim(out) != 0:
+                raise TypeError
+            return out
+        except (TypeError, ValueError, OverflowError):
+            raise errors.UnsupportedConfig(f"config.json: {self.expr.text!r} = {v!r} is not a GGUF {self.type} value; "
+                                           f"fix config.json or re-export the checkpoint") from None
 
 
 @dataclass(frozen=True)
@@ -348,9 +377,12 @@ _TENSOR_FIELDS = {"hf", "name", "role", "shape", "cut", "when", "experts", "unit
                   "shards"}
 
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)     # libyaml's: the same documents, ten times faster
+
+
 def _read(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_LOADER)
     except (OSError, yaml.YAMLError) as e:
         raise SpecError(f"{path}: cannot be read as YAML ({e}).") from None
 
@@ -404,10 +436,11 @@ def _metadata(rows, where: str, known, arch: str) -> dict:
     out = {}
     for key, row in _need(rows or {}, dict, where, "metadata").items():
         w = f"{where}[{key!r}]"
-        _fields(row, {"value", "type"}, {"value", "type"}, w)
+        _fields(row, {"value", "type", "when"}, {"value", "type"}, w)
         if row["type"] not in TYPES:
             raise SpecError(f"{w}: type {row['type']!r} is not one of {', '.join(TYPES)}")
-        out[str(key).replace("{arch}", arch)] = Meta(expr(row["value"], f"{w}.value", known), row["type"])
+        when = expr(row["when"], f"{w}.when", known) if "when" in row else None
+        out[str(key).replace("{arch}", arch)] = Meta(expr(row["value"], f"{w}.value", known), row["type"], when)
     return out
 
 
@@ -568,6 +601,9 @@ def for_config(config: dict, where: str = "config.json") -> Spec:
     """The spec serving a config.json (its architectures, then its model_type), or UnknownArchitecture."""
     specs = all_specs()
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise errors.UnreadableJSON(f"{where}: \"architectures\" is {archs!r}; expected a list of class names "
+                                    f"(\"LlamaForCausalLM\")")
     for s in specs.values():
         if any(a in s.architectures for a in archs):
             return s

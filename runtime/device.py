@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from .errors import DeviceUnavailable
+from typing import Mapping
+
+import numpy as np
+
+from bloomery.core import plan as P
+
+from .errors import DeviceUnavailable, InsufficientDeviceMemory
 
 DEVICES = ("auto", "cpu", "cuda")
+BUFFER_ITEMSIZE = 4                      # f32 / i32: every plan buffer (core/plan.py DTYPES)
 
 
 def cuda_unavailable() -> str | None:
@@ -46,3 +53,30 @@ def resolve(device: str) -> str:
             raise DeviceUnavailable(f"--device cuda: {why}; use --device cpu (or auto)")
         return "cuda"
     return "cpu" if why else "cuda"
+
+
+def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int]) -> dict[str, int]:
+    """What a rank's plan puts on the GPU, at least (the CUDA executor's allocations): the GGUF bytes
+    of every tensor a device op reads (host ops' tables stay in the mmapped artifact) and every
+    buffer at its bound shape (the state once, host ops' states left out; each program's others)."""
+    host_ops = [op for prog in P.PROGRAMS for op in plan["programs"][prog]["ops"] if P.OPS[op["op"]].host]
+    tables = {op[k] for op in host_ops for k in P.OPS[op["op"]].weights}
+    host_state = {op[k] for op in host_ops for k in P.OPS[op["op"]].state}
+    weights = sum(int(table[n].nbytes) for n in P.weights_of(plan) if n not in tables)
+    bufs = 0
+    for prog, rows in P.PROGRAMS.items():
+        bind = {**symbols, "rows": symbols[rows]}
+        bufs += sum(int(np.prod(P.shape(b, bind))) for n, b in plan["buffers"].items()
+                    if (b["kind"] != "state" or prog == "decode") and n not in host_state)
+    return {"weights": weights, "buffers": bufs * BUFFER_ITEMSIZE}
+
+
+def check_fits(need: Mapping[str, int], free: int, total: int, where: str) -> None:
+    """Refuses, before anything is uploaded, a model whose device bytes exceed the GPU's free memory."""
+    n = sum(need.values())
+    if n > free:
+        parts = " + ".join(f"{k} {v:,}" for k, v in need.items())
+        raise InsufficientDeviceMemory(
+            f"{where}: needs at least {n:,} bytes on the GPU ({parts}); {free:,} of its {total:,} bytes are free. "
+            f"Free the GPU, use fewer slots or a shorter context (-np, --ctx-size: the KV cache), prepare with "
+            f"--tp 2 for two GPUs, or use --device cpu")

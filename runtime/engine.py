@@ -1,6 +1,7 @@
 """A loaded artifact ready to run: its plans (one per rank), weights, executor and KV-cache slots.
 
     eng = Engine("art/", ctx=2048)            # device: "cpu" | "cuda" | "auto" (cuda when CuPy and a GPU are present)
+    eng = Engine("art/", check=True)          # each tensor checked against DIGESTS.json as it loads (--verify)
     logits = eng.prefill(ids)                  # [n, vocab] float32, appended to slot 0's sequence
     logits, next_ids = eng.decode([tok])       # one row per slot
     eng.reset()
@@ -43,8 +44,8 @@ def read_plans(art: Artifact) -> list[dict]:
 
 class Engine:
     def __init__(self, artifact, *, device: str = "cpu", ctx: int | None = None, slots: int = 1,
-                 ubatch: int = DEFAULT_UBATCH, threads: int | None = 1):
-        self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact))
+                 ubatch: int = DEFAULT_UBATCH, threads: int | None = 1, check: bool = False):
+        self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact), check=check)
         self.device = devices.resolve(device)
         if self.device == "cuda" and self.art.tp > 1:       # one process per rank, rank r on GPU r
             n = devices.gpu_count()
@@ -77,6 +78,10 @@ class Engine:
                 from .cuda.tp import TpCudaExecutor       # the ranks' processes (runtime/cuda/tp.py)
                 from .numpy_executor import _check_lockstep
                 _check_lockstep(self.plans)
+                if self.art.check:                        # the ranks' processes open it unchecked: check here
+                    for r, p in zip(self.art.ranks, self.plans):
+                        for n in P.weights_of(p):
+                            self.art.gguf_arrays(n, r)
                 self.exec = TpCudaExecutor(self.art.path, self.art.tp, symbols)
             else:
                 from .cuda.executor import CudaExecutor   # imports CuPy
@@ -222,7 +227,7 @@ class Engine:
 
 
 def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFAULT_UBATCH,
-           ctx: int | None = None, threads: int | None = 1) -> np.ndarray:
+           ctx: int | None = None, threads: int | None = 1, check: bool = False) -> np.ndarray:
     """Teacher-forced logits [n, vocab] float32 of a token-id list (row i predicts ids[i+1]).
     `artifact`: a path, an Artifact, or a loaded Engine (reused: its slot 0 is reset)."""
     ids = list(ids)
@@ -230,5 +235,6 @@ def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFA
         eng = artifact
         eng.reset(0)
     else:
-        eng = Engine(artifact, device=device, ctx=ctx or max(len(ids), 1), ubatch=ubatch, threads=threads)
+        eng = Engine(artifact, device=device, ctx=ctx or max(len(ids), 1), ubatch=ubatch, threads=threads,
+                     check=check)
     return eng.prefill(ids)

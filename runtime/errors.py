@@ -25,3 +25,7 @@ class PromptTooLong(RuntimeRefusal):
 
 class DeviceUnavailable(RuntimeRefusal):
     """The requested device cannot run here (or its executor is not implemented yet)."""
+
+
+class InsufficientDeviceMemory(RuntimeRefusal):
+    """The model's weights and buffers do not fit the GPU's free memory (refused before the upload)."""

@@ -43,21 +43,28 @@ class Generation:
 
 
 def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = None, raw: bool = False,
-             max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             max_tokens: int | None = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, ctx: int | None = None, device: str = "cpu", threads: int | None = 1,
-             on_text: Callable[[str], None] | None = None) -> Generation:
+             ignore_eos: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
     """Greedy by default (temperature 0: the plan's argmax); `prompt` goes through the chat
-    template unless raw, or pass token `ids`. `artifact`: a path, an Artifact or an Engine."""
+    template unless raw, or pass token `ids`. `artifact`: a path, an Artifact or an Engine.
+    max_tokens None: until EOS or the context is full. ignore_eos: the EOS ids are masked out of
+    every pick (llama.cpp's --ignore-eos), so generation never stops at one."""
     eng = artifact if isinstance(artifact, Engine) else Engine(artifact, device=device, ctx=ctx, threads=threads)
     eng.reset(0)
     text = Text(eng.art, eng.eos_ids, eng.bos_id)
     prompt_ids = list(ids) if ids is not None else text.encode(prompt or "", raw=raw)
     eos = set(eng.eos_ids)
+    masked = [e for e in eng.eos_ids if 0 <= e < eng.vocab_size] if ignore_eos else []
     rng = np.random.default_rng(seed)
     stream = text.stream()
     out: list[int] = []
 
     def pick(logits_row, greedy_id):
+        if masked:
+            logits_row = logits_row.copy()
+            logits_row[masked] = -np.inf
+            greedy_id = np.argmax(logits_row)
         return int(greedy_id) if temperature <= 0 else sample(logits_row, rng, temperature, top_k, top_p)
 
     t0 = time.perf_counter()
@@ -66,19 +73,19 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
     t1 = time.perf_counter()
     steps, stop = 0, "length"
     while True:
-        if nxt in eos:
+        if nxt in eos and not ignore_eos:
             stop = "eos"
             break
         out.append(nxt)
         piece = stream.push(nxt)
         if on_text and piece:
             on_text(piece)
-        if len(out) >= max_tokens:
+        if max_tokens is not None and len(out) >= max_tokens:
             break
         if eng.lengths[0] >= eng.ctx:
             stop = "ctx"
             break
-        logits_, greedy = eng.decode([nxt], logits=temperature > 0)   # greedy: only the id comes back
+        logits_, greedy = eng.decode([nxt], logits=temperature > 0 or bool(masked))   # greedy: only the id
         steps += 1
         nxt = pick(None if logits_ is None else logits_[0], greedy[0])
     t2 = time.perf_counter()

@@ -25,26 +25,29 @@ class NumpyExecutor:
                   for n, b in p["buffers"].items() if b["kind"] == "state"} for p in plans]
         self.buffers: dict[str, list[dict]] = {}
         self.steps: dict[str, list] = {}
+        self.where: dict[str, list] = {}     # per step: (op index, op name)
         for prog, rows_sym in P.PROGRAMS.items():
             bind = {**symbols, "rows": symbols[rows_sym]}
             self.buffers[prog] = [{**st, **{n: np.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
                                             for n, b in p["buffers"].items() if b["kind"] != "state"}}
                                   for p, st in zip(plans, state)]
-            self.steps[prog] = self._bind(prog)
+            self.steps[prog], self.where[prog] = self._bind(prog)
         self.state = state
 
-    def _bind(self, prog: str) -> list:
+    def _bind(self, prog: str) -> tuple[list, list]:
         bufs = self.buffers[prog]
         ops = [p["programs"][prog]["ops"] for p in self.plans]
-        steps = []
+        steps, where = [], []
         for i, op0 in enumerate(ops[0]):
             impl = IMPL[op0["op"]]
             if P.OPS[op0["op"]].collective:
                 steps.append((impl.run_ranks, [o[i] for o in ops], bufs))
+                where.append((i, op0["op"]))
             else:
                 for r in range(len(self.plans)):
                     steps.append((impl.run, ops[r][i], bufs[r], self.weights[r]))
-        return steps
+                    where.append((i, op0["op"]))
+        return steps, where
 
     def rows(self, prog: str) -> int:
         return self.symbols[P.PROGRAMS[prog]]
@@ -56,8 +59,13 @@ class NumpyExecutor:
         for b in bufs:
             for n, v in inputs.items():
                 b[n][...] = v
-        for fn, *args in self.steps[prog]:
-            fn(*args)
+        for k, (fn, *args) in enumerate(self.steps[prog]):
+            try:
+                fn(*args)
+            except (ValueError, IndexError, TypeError, KeyError, ArithmeticError) as e:
+                i, name = self.where[prog][k]
+                raise P.PlanInvalid(f"{prog} op {i} ({name}): {type(e).__name__}: {e}; the plan's attributes do not "
+                                    f"fit its buffers and weights: re-prepare the artifact") from None
         return {n: bufs[0][n] for n, b in self.plans[0]["buffers"].items() if b["kind"] == "output"}
 
     def reset(self, slot: int | None = None) -> None:

@@ -19,7 +19,12 @@ class Text:
         if not art.tokenizer_json:
             raise NoTokenizer(f"{art.path}: the artifact holds no tokenizer (its checkpoint had no tokenizer.json); "
                               f"pass token ids instead (bloomery logits --ids)")
-        self.tok = Tokenizer.from_str(art.tokenizer_json)
+        try:
+            self.tok = Tokenizer.from_str(art.tokenizer_json)
+        except Exception as e:              # the tokenizers library raises a bare Exception
+            raise NoTokenizer(f"{art.path}: its tokenizer (tokenizer.huggingface.json) does not load ({e}); fix the "
+                              f"checkpoint's tokenizer.json and prepare again, or pass token ids (bloomery logits "
+                              f"--ids)") from None
         self.template = art.chat_template
         self.eos_ids = list(eos_ids or [])
         self.bos_id = bos_id
@@ -43,12 +48,18 @@ class Text:
         def raise_exception(msg):
             raise NoTokenizer(f"{self.where}: chat template: {msg}")
 
+        from jinja2 import TemplateError
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_ids[0] if self.eos_ids else None))
+        try:
+            return env.from_string(self.template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=self.token(self.bos_id), eos_token=self.token(self.eos_ids[0] if self.eos_ids else None))
+        except TemplateError as e:
+            raise NoTokenizer(f"{self.where}: the chat template does not render ({type(e).__name__}: {e}); fix the "
+                              f"checkpoint's template and prepare again, or use --raw") from None
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if raw:

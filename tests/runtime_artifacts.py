@@ -14,7 +14,7 @@ from bloomery.tools import models
 _ROOT: list[Path] = []
 _CACHE: dict = {}
 # what prepare refuses (tests/test_prepare.py REFUSED): no artifact to run
-REFUSED = {("tiny-llama/fp8_pb_wo", 2), ("tiny-llama/w4a8_nvfp4_fp8", 1), ("tiny-llama/w4a8_nvfp4_fp8", 2)}
+REFUSED = {("tiny-llama/fp8_pb_wo", 2)}
 EXPORTS = [n for n in models.SPECS if n.startswith(("smollm2-135m/", "tiny-llama/", "tiny-qwen3_moe/"))]
 
 

@@ -18,8 +18,8 @@ from bloomery.core import formats
 from bloomery.core.artifact import Artifact
 from bloomery.core.errors import (ArtifactChecksumMismatch, ArtifactMalformed, ArtifactMissingShard,
                                   MetadataTypeError)
-from test_artifact_layout import with_optional
-from test_formats import NAMES, make, same_bits
+from test_artifact_layout import NAMES, with_optional     # the formats with an artifact layout
+from test_formats import make, same_bits
 
 SHAPES = {"nvfp4": [(64, 128), (3, 16, 48)], "mxfp4": [(33, 64), (2, 8, 96)], "mxfp8": [(9, 64), (2, 5, 32)],
           "fp8_tensor": [(7, 13), (3, 5, 40)], "fp8_channel": [(7, 13), (3, 5, 40)],

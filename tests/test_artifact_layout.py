@@ -15,6 +15,9 @@ from bloomery.core.artifact import layout
 from bloomery.core.errors import ArtifactMalformed
 from test_formats import LAYOUTS, NAMES, SHAPES, make, same_bits
 
+HELD = [n for n in NAMES if formats.get(n).held_as]      # no layout of their own (nvfp4_g32: held as nvfp4)
+NAMES = [n for n in NAMES if n not in HELD]
+
 EXTRA_SHAPES = {"nvfp4": [(4, 48), (2, 3, 80)], "fp8_block128": [(2, 256, 128)], "fp8_block32": [(2, 64, 70)]}
 
 
@@ -82,6 +85,8 @@ def test_layout_types():
         g("q8_0", (2, 64), ("input_scale",))
     with pytest.raises(ArtifactMalformed):
         g("fp8_tensor", (2, 64), ("pre_quant_scale",))
+    with pytest.raises(ArtifactMalformed, match="nvfp4_g32 has no artifact layout.*holds it as nvfp4"):
+        g("nvfp4_g32", (8, 128), ())
 
 
 @pytest.mark.parametrize("shape", [(7, 64), (3, 5, 128)])

@@ -332,10 +332,13 @@ def test_pickle_only_folder_is_refused(tmp_path):
     refused(folder, errors.NoWeights, "pytorch_model.bin", "never unpickles")
 
 
-def test_unsupported_dtype(tmp_path, rng):
+def test_unsupported_dtype_opens_and_is_judged_at_prepare(tmp_path, rng):
+    """A dtype no format reads (F64) is no refusal of inspect: listed with its dtype and shape; prepare
+    refuses it by name unless the family's spec ignores it (tests/test_inspect_names.py)."""
     t = llama_tensors(rng, "FP8")
     t["model.layers.0.mlp.step"] = np.zeros(2, dtype=np.float64)       # F64: read by no format
-    refused(write_folder(tmp_path / "f", t, {"quant_algo": "FP8"}), errors.UnsupportedDtype, "mlp.step", "F64")
+    ck = Checkpoint.open(write_folder(tmp_path / "f", t, {"quant_algo": "FP8"}))
+    assert list(ck.unread) == ["model.layers.0.mlp.step"] and "model.layers.0.mlp.step" not in ck.tensors
 
 
 def test_integer_tensors_open_for_the_spec_to_judge(tmp_path, rng):

@@ -611,7 +611,7 @@ def mini_plan() -> tuple[dict, dict]:
                    {"op": "logits", "x": "xm", "weight": "head", "out": "logits", "vocab": VOCAB},
                    {"op": "argmax", "x": "logits", "out": "next_token"}])
 
-    plan = {"version": P.VERSION, "family": "test", "tp": 1, "rank": 0, "model": {"vocab_size": VOCAB},
+    plan = {"version": P.VERSION, "family": "test", "tp": 1, "rank": 0, "model": {"vocab_size": VOCAB, "context_length": 4096},
             "buffers": buffers, "programs": {"decode": {"rows": "slots", "ops": ops("decode")},
                                              "prefill": {"rows": "ubatch", "ops": ops("prefill")}}}
     P.validate(plan)

@@ -695,7 +695,7 @@ def mini_plan() -> tuple[dict, dict]:
             {"op": "logits", "x": "xn", "weight": "head", "out": "logits", "vocab": VOCAB},
             {"op": "argmax", "x": "logits", "out": "next_token"}]
 
-    plan = {"version": P.VERSION, "family": "test", "tp": 1, "rank": 0, "model": {"vocab_size": VOCAB},
+    plan = {"version": P.VERSION, "family": "test", "tp": 1, "rank": 0, "model": {"vocab_size": VOCAB, "context_length": 4096},
             "buffers": buffers, "programs": {"decode": {"rows": "slots", "ops": ops("decode")},
                                              "prefill": {"rows": "ubatch", "ops": ops("prefill")}}}
     P.validate(plan)
@@ -711,7 +711,8 @@ class FakeArtifact:
         self.w = w
 
     def tensors(self, rank=0):
-        return {n: SimpleNamespace(format="f32", shape=tuple(a.shape), optional=(), cut="replicated")
+        return {n: SimpleNamespace(format="f32", shape=tuple(a.shape), optional=(), cut="replicated",
+                                   nbytes=a.nbytes)
                 for n, a in self.w.items()}
 
     def gguf_arrays(self, name, rank=0):

@@ -25,11 +25,12 @@ E8M0_REF = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(
 E4M3_SCALE_OK = np.array([*range(0x7F), 0x80], dtype=np.uint8)   # every code a valid scale (-0 incl.)
 E4M3 = ml_dtypes.float8_e4m3fn
 
-NAMES = ["nvfp4", "mxfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "fp8_block32",
+NAMES = ["nvfp4", "nvfp4_g32", "mxfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "fp8_block32",
          "bf16", "f16", "f32", "q8_0"]
 
 SHAPES = {
     "nvfp4": [(1, 16), (7, 64), (3, 5, 128), (64, 256), (2, 33, 192)],
+    "nvfp4_g32": [(1, 32), (7, 96), (3, 5, 128)],
     "mxfp4": [(1, 32), (7, 64), (3, 5, 128), (2, 33, 96)],
     "mxfp8": [(1, 32), (7, 64), (3, 5, 128), (2, 33, 96)],
     "fp8_tensor": [(1, 1), (7, 13), (3, 5, 40), (33, 64)],
@@ -41,8 +42,9 @@ SHAPES = {
     "f32": [(1,), (7, 13), (3, 5, 8)],
     "q8_0": [(1, 32), (7, 64), (3, 5, 128)],
 }
+NVFP4_BLOCK = {"nvfp4": 16, "nvfp4_g32": 32}
 # scale layouts each format accepts (index passed to make())
-LAYOUTS = {"fp8_tensor": 3, "fp8_channel": 2, "fp8_block128": 2, "nvfp4": 3}
+LAYOUTS = {"fp8_tensor": 3, "fp8_channel": 2, "fp8_block128": 2, "nvfp4": 3, "nvfp4_g32": 3}
 
 
 def cdiv(a, b):
@@ -98,12 +100,13 @@ def make(name, shape, rng, layout=0, scale_2=None):
         q = rng.integers(-128, 128, size=(nb, 32), dtype=np.int8)
         blocks = np.concatenate([d.reshape(nb, 1).view(np.uint8), q.view(np.uint8)], axis=1)
         return {"weight": blocks.reshape(*shape[:-1], inn // 32 * 34)}
-    if name in ("nvfp4", "mxfp4"):
+    if name in ("nvfp4", "nvfp4_g32", "mxfp4"):
         w = _plant(rng, n // 2, np.arange(256, dtype=np.uint8)).reshape(*shape[:-1], inn // 2)
     else:
         w = _plant(rng, n, np.arange(256, dtype=np.uint8)).reshape(shape).view(E4M3)
-    if name == "nvfp4":
-        s = _plant(rng, n // 16, E4M3_SCALE_OK).reshape(*shape[:-1], inn // 16).view(E4M3)
+    if name in ("nvfp4", "nvfp4_g32"):
+        b = NVFP4_BLOCK[name]
+        s = _plant(rng, n // b, E4M3_SCALE_OK).reshape(*shape[:-1], inn // b).view(E4M3)
         if scale_2 is None:
             s2 = _f32_scales(rng, max(1, int(np.prod(lead))))
             s2 = np.abs(s2) + np.float32(1e-8)
@@ -151,16 +154,17 @@ def ref_decode(name, p):
             return w.view({"f16": np.float16, "f32": np.float32}[name]).astype(np.float64).astype(np.float32)
     if name == "q8_0":
         return gguf.quants.dequantize(w, GQ.Q8_0)
-    if name in ("nvfp4", "mxfp4"):
+    if name in ("nvfp4", "nvfp4_g32", "mxfp4"):
         v = E2M1_REF[_codes(w)]
     else:
         v = E4M3_REF[w.view(np.uint8)]
     shape = v.shape
     lead = shape[:-2]
-    if name == "nvfp4":
+    if name in ("nvfp4", "nvfp4_g32"):
         s2 = np.asarray(p["scale_2"], np.float64)
         s2 = s2.reshape(*lead, 1, 1) if s2.ndim and s2.shape != (1,) else s2.reshape(())
-        return (v * _rep(E4M3_REF[p["scale"].view(np.uint8)], shape, 1, 16) * s2).astype(np.float32)
+        s = _rep(E4M3_REF[p["scale"].view(np.uint8)], shape, 1, NVFP4_BLOCK[name])
+        return (v * s * s2).astype(np.float32)
     if name in ("mxfp4", "mxfp8"):
         return (v * _rep(E8M0_REF[p["scale"]], shape, 1, 32)).astype(np.float32)
     if name == "fp8_block32":
@@ -241,6 +245,26 @@ def test_nvfp4_ggml_roundtrip(shape):
         assert q["scale"].dtype == E4M3 and q["scale"].tobytes() == p["scale"].tobytes()
         same_bits(formats.get("nvfp4").decode(q), formats.get("nvfp4").decode(p))
         assert nvfp4_mod.to_ggml(q)[0].tobytes() == blocks.tobytes()
+
+
+@pytest.mark.parametrize("shape", SHAPES["nvfp4_g32"])
+def test_nvfp4_g32_held_as_nvfp4(shape):
+    """W4A8_NVFP4_FP8's blocks of 32 held as nvfp4 (each scale once per half): the same values, every
+    layout of scale_2; and into GGML NVFP4 where the row is a multiple of 64."""
+    rng = np.random.default_rng(sum(shape))
+    g32, nv = formats.get("nvfp4_g32"), formats.get("nvfp4")
+    for layout in range(3):
+        p = make("nvfp4_g32", shape, rng, layout)
+        h = g32.held(p)
+        nv.check(h, "held")
+        assert h["weight"] is p["weight"] and h["scale"].shape[-1] == p["scale"].shape[-1] * 2
+        with np.errstate(over="ignore"):
+            same_bits(nv.decode(h), g32.decode(p))
+            if shape[-1] % 64 == 0:
+                s2 = p["scale_2"]
+                s2 = s2.reshape(*s2.shape, 1, 1) if s2.ndim and s2.shape != (1,) else s2
+                g = gguf.quants.dequantize(nvfp4_mod.to_ggml(h)[0], GQ.NVFP4)
+                same_bits(g * s2, g32.decode(p), zeros_equal=True)
 
 
 def test_nvfp4_ggml_layout_by_hand():
@@ -326,7 +350,7 @@ def test_encode_decode_close(name):
     p = f.encode(x)
     f.check(p, "enc")
     assert f.shape(p) == shape
-    tol = {"nvfp4": 0.2, "mxfp4": 0.35, "q8_0": 0.01}.get(name, 0.07)
+    tol = {"nvfp4": 0.2, "nvfp4_g32": 0.2, "mxfp4": 0.35, "q8_0": 0.01}.get(name, 0.07)
     err = np.abs(f.decode(p) - x).max() / np.abs(x).max()
     assert err < tol, err
 

@@ -10,10 +10,10 @@ from bloomery.core import formats
 from bloomery.core.errors import NotOnBlockBoundary
 from test_formats import LAYOUTS, NAMES, make, same_bits
 
-UNITS = {"nvfp4": (16, 1), "mxfp4": (32, 1), "mxfp8": (32, 1), "fp8_tensor": (1, 1),
+UNITS = {"nvfp4": (16, 1), "nvfp4_g32": (32, 1), "mxfp4": (32, 1), "mxfp8": (32, 1), "fp8_tensor": (1, 1),
          "fp8_channel": (1, 1), "fp8_block128": (128, 128), "fp8_block32": (32, 32),
          "bf16": (1, 1), "f16": (1, 1), "f32": (1, 1), "q8_0": (32, 1)}
-SHAPES = {"nvfp4": (2, 9, 96), "mxfp4": (2, 9, 128), "mxfp8": (9, 128), "fp8_tensor": (3, 9, 20),
+SHAPES = {"nvfp4": (2, 9, 96), "nvfp4_g32": (2, 9, 160), "mxfp4": (2, 9, 128), "mxfp8": (9, 128), "fp8_tensor": (3, 9, 20),
           "fp8_channel": (3, 9, 20), "fp8_block128": (2, 300, 390), "fp8_block32": (70, 100),
           "bf16": (9, 20), "f16": (9, 20), "f32": (2, 9, 20), "q8_0": (2, 9, 128)}
 

@@ -16,7 +16,9 @@ from bloomery.tools import gates, models
 FAST_LIMIT = 64     # tokens per sequence in the fast subset (make gates: 256)
 FAST = [n for n in gates.GATED if n.startswith("tiny-")] + ["smollm2-135m/nvfp4"]
 FAST_TP2 = ["tiny-llama/nvfp4", "tiny-llama/mxfp4", "tiny-qwen3_moe/nvfp4", "tiny-qwen3_moe/fp8",
-            "tiny-qwen3_next/nvfp4", "tiny-glm4_moe/nvfp4", "tiny-glm4_moe/mxfp8", "tiny-glm5_next/mxfp8"]
+            "tiny-qwen3_next/nvfp4", "tiny-glm4_moe/nvfp4", "tiny-glm4_moe/mxfp8", "tiny-glm5_next/mxfp8",
+            "tiny-llama3-rope/nvfp4",
+            "tiny-glm5_next/nvfp4", "tiny-llama/w4a8_nvfp4_fp8"]   # NVFP4 rank slices held in the stored layout; W4A8
 
 
 def need(name):
@@ -133,7 +135,8 @@ def test_gated_list_is_the_test_models():
     assert set(gates.SKIP) <= set(gates.GATED)
     assert {"smollm2-135m/bf16", "smollm2-135m/nvfp4", "smollm2-135m/fp8", "smollm2-135m/mxfp8"} <= set(gates.GATED)
     assert {n for n in models.SPECS if n.startswith(("tiny-llama/", "tiny-qwen3_moe/", "tiny-qwen3_next/",
-                                                      "tiny-glm4_moe/", "tiny-qwen4_exp/", "tiny-glm5_next/"))} \
+                                                      "tiny-glm4_moe/", "tiny-qwen4_exp/", "tiny-glm5_next/",
+                                                      "tiny-llama3-rope/", "tiny-qwen3/", "tiny-qwen2/"))} \
         <= set(gates.GATED)
 
 

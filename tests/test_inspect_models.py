@@ -34,11 +34,10 @@ def _same_names(ck, ref):
 QUANTIZED = {"nvfp4": {"nvfp4"}, "nvfp4_fp8kv": {"nvfp4"}, "nvfp4_awq": {"nvfp4"}, "nvfp4_w4a16": {"nvfp4"},
              "fp8": {"fp8_tensor"}, "fp8_channel": {"fp8_channel"}, "fp8_pb_wo": {"fp8_block128"},
              "mxfp8": {"mxfp8"}, "mxfp4": {"mxfp4"}, "mixed_nvfp4_fp8": {"nvfp4", "fp8_tensor"},
-             "mixed_nvfp4_mxfp8": {"nvfp4", "mxfp8"}}
+             "mixed_nvfp4_mxfp8": {"nvfp4", "mxfp8"}, "w4a8_nvfp4_fp8": {"nvfp4_g32"}}
 # relative L2 error of a decoded weight against the BF16 original: a sanity bound per format
 # family (the quantization error; the bit-exact check against tools/dequant.py is the real one)
-ERROR = {"nvfp4": 0.2, "mxfp4": 0.25, "fp8_tensor": 0.08, "fp8_channel": 0.08, "fp8_block128": 0.08, "mxfp8": 0.08}
-REFUSED = {"w4a8_nvfp4_fp8"}   # NVFP4 in groups of 32: refused by name (UnknownQuantAlgo)
+ERROR = {"nvfp4": 0.2, "nvfp4_g32": 0.2, "mxfp4": 0.25, "fp8_tensor": 0.08, "fp8_channel": 0.08, "fp8_block128": 0.08, "mxfp8": 0.08}
 EXPORTS = [n for n in models.SPECS if n.split("/")[1] in QUANTIZED]
 
 
@@ -95,10 +94,3 @@ def test_inspect_export(name):
         assert err < ERROR[t.format.name], (n, t.format.name, err)
     assert checked == len(ck.tensors)
 
-
-@pytest.mark.models
-@pytest.mark.parametrize("name", [n for n in models.SPECS if n.split("/")[1] in REFUSED])
-def test_refused_export(name):
-    need(name)
-    r = CliRunner().invoke(main, ["inspect", str(models.model_dir(name))])
-    assert r.exit_code != 0 and "UnknownQuantAlgo" in r.output and "W4A8_NVFP4_FP8" in r.output

@@ -23,9 +23,7 @@ from bloomery.tools import models
 from ckpt import llama_tensors, write_folder
 
 NAMES = [n for n in models.SPECS if n.startswith(("smollm2-135m/", "tiny-llama/", "tiny-qwen3_moe/"))]
-REFUSED = {("tiny-llama/fp8_pb_wo", 2): errors.NotOnBlockBoundary,          # 128x128 blocks in a 128-row q
-           ("tiny-llama/w4a8_nvfp4_fp8", 1): errors.UnknownQuantAlgo,     # NVFP4 in groups of 32
-           ("tiny-llama/w4a8_nvfp4_fp8", 2): errors.UnknownQuantAlgo}
+REFUSED = {("tiny-llama/fp8_pb_wo", 2): errors.NotOnBlockBoundary}          # 128x128 blocks in a 128-row q
 AXIS = {"column": -2, "row": -1}
 
 

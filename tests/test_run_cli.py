@@ -106,3 +106,55 @@ def test_runtime_imports_neither_compiler_nor_torch():
     r = subprocess.run([sys.executable, "-c", code, str(artifact("tiny-qwen3_moe/nvfp4", 2))],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# -- llama.cpp's habits: --ignore-eos, -n/--n-predict; --verify -----------------------------------------------
+
+def test_ignore_eos_masks_the_eos_ids():
+    """With the greedy first token made the EOS id, generation stops at once; with ignore_eos every
+    token is the argmax of the teacher-forced logits (runtime.logits) with the EOS id masked out."""
+    art = artifact("tiny-llama/bf16")
+    eng = runtime.Engine(art)
+    first = runtime.generate(eng, "hello", max_tokens=1).token_ids[0]
+    eng.eos_ids = [first]
+    assert runtime.generate(eng, "hello", max_tokens=8).stop == "eos"
+    g = runtime.generate(eng, "hello", max_tokens=8, ignore_eos=True)
+    assert g.stop == "length" and len(g.token_ids) == 8 and first not in g.token_ids
+    x = runtime.logits(art, g.prompt_ids + g.token_ids)
+    x[:, first] = -np.inf
+    assert g.token_ids == [int(i) for i in np.argmax(x[len(g.prompt_ids) - 1:-1], axis=1)]
+
+
+def test_n_predict_and_ignore_eos_flags():
+    art = artifact("tiny-llama/bf16")
+    for flag in ("-n", "--n-predict", "--max-tokens"):
+        g = json.loads(cli("run", art, "-p", "hi", "--json", "--ignore-eos", flag, 5).stdout)
+        assert g["generated_tokens"] == 5 and g["stop"] == "length", (flag, g)
+    g = json.loads(cli("run", art, "-p", "hi", "--json", "--ignore-eos", "-n", -1, "--ctx-size", 24).stdout)
+    assert g["stop"] == "ctx" and g["prompt_tokens"] + g["generated_tokens"] == 25
+    r = CliRunner().invoke(main, ["run", str(art), "-p", "hi", "-n", "0"])
+    assert r.exit_code == 2 and "-1 for until EOS" in r.output
+    help_text = CliRunner().invoke(main, ["--help"]).output
+    assert "bloomery verify <artifact>" in help_text and "CUDA executor on a GPU, else NumPy on the CPU" in help_text
+
+
+def test_verify_flag_refuses_a_flipped_tensor_byte(tmp_path):
+    import shutil
+
+    from gguf import GGUFReader
+    src = artifact("tiny-llama/nvfp4")
+    art = tmp_path / "art"
+    shutil.copytree(src, art)
+    shard = next(art.glob("*.gguf"))
+    t = next(t for t in GGUFReader(shard).tensors if t.name == "blk.1.ffn_down.weight")
+    raw = bytearray(shard.read_bytes())
+    raw[int(t.data_offset) + 7] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    (tmp_path / "ids.json").write_text("[1, 2, 3]")
+    for args in (["run", art, "-p", "hi", "-n", "2", "--verify"],
+                 ["logits", art, "--ids", tmp_path / "ids.json", "--out", tmp_path / "x.npy", "--verify"]):
+        r = CliRunner().invoke(main, [str(a) for a in args])
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+        assert "error: ArtifactChecksumMismatch:" in r.output and "'blk.1.ffn_down.weight'" in r.output
+    cli("run", art, "-p", "hi", "-n", "2")          # without --verify the damage is not looked at (off by default)
+    assert not (tmp_path / "x.npy").exists()

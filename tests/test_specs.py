@@ -54,14 +54,15 @@ def test_values_from_config():
     del cfg["intermediate_size"]
     with pytest.raises(errors.MissingConfigKey, match="intermediate_size"):
         s.values(cfg)
-    with pytest.raises(errors.UnsupportedConfig, match="llama3"):
-        s.values({**LLAMA_CFG, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+    with pytest.raises(errors.UnsupportedConfig, match="dynamic"):      # llama3 and yarn: test_rope_scaling.py
+        s.values({**LLAMA_CFG, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}})
 
 
 def test_metadata_types():
     s = specs.for_config(LLAMA_CFG)
     v = s.values(LLAMA_CFG)
-    md = {k: m.value(v) for k, m in s.metadata.items()}
+    md = {k: m.value(v) for k, m in s.metadata.items() if m.applies(v)}
+    assert not any(".rope.scaling." in k for k in md)          # written only with a scaled rope (`when`)
     assert type(md["llama.block_count"]) is np.uint32 and md["llama.block_count"] == 2
     assert type(md["llama.rope.freq_base"]) is np.float32
     assert md["bloomery.tie_word_embeddings"] is False
@@ -97,6 +98,7 @@ def _t(i):
     (lambda r: r["tp_checks"][0].update(error="NoSuchError"), ["tp_checks[0]", "NoSuchError"]),
     (lambda r: r["tp_checks"][0].update(message="{nope} heads"), ["tp_checks[0]", "nope"]),
     (lambda r: r["metadata"]["{arch}.block_count"].update(type="u7"), ["block_count", "u7"]),
+    (lambda r: r["metadata"]["{arch}.rope.scaling.type"].update(when="rope_kind != 'x'"), ["scaling.type", "rope_kind"]),
     (lambda r: r["config"]["head_dim"].update(default="hidden // 2"), ["config.head_dim", "hidden"]),
     (lambda r: r.update(layers="num_layers"), ["layers", "num_layers"]),
 ])

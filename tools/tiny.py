@@ -24,6 +24,10 @@ LLAMA_EXTRA_FORMATS = ("fp8_channel", "fp8_pb_wo", "nvfp4_w4a16", "mxfp4", "w4a8
 # constant randomised (randomise_init)
 FLAGSHIPS = ("qwen4_exp", "glm5_next")
 FLAGSHIP_FORMATS = ("nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8")
+# the dense families of published ModelOpt checkpoints beside Llama: rope scaling, Qwen3's q/k norms,
+# Qwen2's q/k/v biases; a small set of formats keeps them cheap
+DENSE = ("llama3-rope", "qwen3", "qwen2")
+DENSE_FORMATS = ("nvfp4", "fp8")
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=1024, tie_word_embeddings=False,
@@ -33,11 +37,42 @@ _FLAGSHIP_COMMON = dict(vocab_size=VOCAB, hidden_size=128, max_position_embeddin
                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
+def quant_formats(family: str) -> tuple:
+    """The quantized formats a tiny family is exported in (beside bf16)."""
+    if family in FLAGSHIPS:
+        return FLAGSHIP_FORMATS
+    if family in DENSE:
+        return DENSE_FORMATS
+    return QUANT_FORMATS + (LLAMA_EXTRA_FORMATS if family == "llama" else ())
+
+
 def family_config(family: str):
     """The transformers config of a tiny family (architectures set)."""
     import transformers as tf
 
-    if family == "llama":
+    if family == "llama3-rope":
+        # Llama 3.1's rope scaling with original_max_position_embeddings 64, so that it changes the
+        # logits within the gates' 64-token slice (14 of the 16 frequencies scaled); attention_bias on:
+        # the q/k/v/o biases of the Llama-class configs that set it. config.json in Llama 3.1's own
+        # form (hub_rope_form)
+        cfg = tf.LlamaConfig(**_COMMON, intermediate_size=256, num_hidden_layers=2, head_dim=32,
+                             attention_bias=True,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+        arch = "LlamaForCausalLM"
+    elif family == "qwen3":
+        # YaRN as Qwen3's long-context configs set it, factor 4 over 256 original positions
+        # (max_position_embeddings 1024 = 4 x 256): 15 of 16 frequencies interpolated, attention factor 1.139
+        cfg = tf.Qwen3Config(**_COMMON, intermediate_size=256, num_hidden_layers=2, head_dim=32,
+                             rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 256})
+        arch = "Qwen3ForCausalLM"
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**_COMMON, intermediate_size=256, num_hidden_layers=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        arch = "Qwen2ForCausalLM"
+    elif family == "llama":
         # wider than the MoE ones so that FP8 128x128 blocks come out as real 2-D grids
         cfg = tf.LlamaConfig(**{**_COMMON, "hidden_size": 256}, intermediate_size=384,
                              num_hidden_layers=2, head_dim=32,
@@ -236,6 +271,17 @@ def add_legacy_keys(folder: Path) -> None:
     cfg_p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def hub_rope_form(folder: Path) -> None:
+    """Rope settings as Llama 3.1's published config.json writes them (transformers before 5): a
+    `rope_scaling` object beside a top-level rope_theta, no rope_parameters."""
+    cfg_p = folder / "config.json"
+    cfg = json.loads(cfg_p.read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope
+    cfg_p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def to_bf16(model) -> None:
     """Float tensors to BF16 except those transformers keeps in float32 when it loads the model
     in BF16 (`_keep_in_fp32_modules_strict`: GLM-5's router, conv, decay and mHC base / scale)."""
@@ -261,11 +307,16 @@ def build_bf16(family: str, out: Path) -> None:
         randomise_init(model, SEED + 2)
         to_bf16(model)
     else:
-        model = AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        if family in DENSE:          # biases (HF initialises them to 0) and norm weights drawn too
+            randomise_init(model, SEED + 2)
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out)
     save_tokenizer(out)
     add_legacy_keys(out)
+    if family == "llama3-rope":
+        hub_rope_form(out)
 
 
 def calib_batches(n: int = 4, batch: int = 2, seq: int = 32):
@@ -285,4 +336,6 @@ def build_quant(fmt: str, out: Path, bf16_dir: Path) -> dict:
     model = cls.from_pretrained(str(bf16_dir), dtype=torch.bfloat16).eval()
     qcfg = quantize_and_export(model, fmt, calib_batches(), out)
     finish_folder(out, bf16_dir)
+    if "rope_scaling" in json.loads((bf16_dir / "config.json").read_text()):    # the bf16 folder's rope form
+        hub_rope_form(out)
     return qcfg

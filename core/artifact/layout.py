@@ -83,7 +83,10 @@ def layout_name(fmt_name: str, shape: Sequence[int]) -> str:
 
 
 def _check_request(fmt_name, shape, optional, where=""):
-    formats.get(fmt_name)
+    held = formats.get(fmt_name).held_as
+    if held is not None:
+        raise ArtifactMalformed(f"{_where(where)}{fmt_name} has no artifact layout of its own: the artifact holds "
+                                f"it as {held} (planning converts it)")
     allowed = () if fmt_name in _DENSE or fmt_name == "q8_0" else _OPTIONAL.get(fmt_name, ("input_scale",))
     for o in optional:
         if o not in allowed:
@@ -145,11 +148,13 @@ def _per_lead(a, lead, dtype=np.float32) -> np.ndarray:
 
 
 def to_gguf(fmt_name: str, parts: Mapping[str, np.ndarray], only: Sequence[str] | None = None,
-            where: str = "") -> dict[str, np.ndarray]:
+            where: str = "", checked: bool = False) -> dict[str, np.ndarray]:
     """The arrays to hand GGUF, keyed by suffix, in the canonical shapes of gguf_parts
-    (byte_shape for block types). `only`: compute just these suffixes."""
+    (byte_shape for block types). `only`: compute just these suffixes. `checked`: the parts
+    passed the format's check already (the writer checks each tensor's parts once)."""
     fmt = formats.get(fmt_name)
-    fmt.check(parts, where)
+    if not checked:
+        fmt.check(parts, where)
     shape = fmt.shape(parts)
     optional = tuple(k for k in ("input_scale", "pre_quant_scale") if k in parts)
     spec = gguf_parts(fmt_name, shape, optional, where)
@@ -161,7 +166,7 @@ def to_gguf(fmt_name: str, parts: Mapping[str, np.ndarray], only: Sequence[str] 
         p = parts.get(suffix)
         if suffix == "weight":
             if qt == GQ.NVFP4:
-                a = nvfp4_mod.to_ggml(parts, where)[0]
+                a = nvfp4_mod.ggml_blocks(p, parts["scale"])
             elif qt == GQ.MXFP4:
                 a = mxfp4_mod.to_ggml(parts, where)[0]
             elif qt == GQ.I8:
@@ -186,12 +191,13 @@ def to_gguf(fmt_name: str, parts: Mapping[str, np.ndarray], only: Sequence[str] 
 
 
 def iter_gguf(fmt_name: str, parts: Mapping[str, np.ndarray], chunk_bytes: int = 32 << 20,
-              where: str = "") -> Iterator[tuple[str, np.ndarray]]:
+              where: str = "", checked: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """to_gguf's arrays as (suffix, chunk) in file order, the main tensor in row chunks of
     about `chunk_bytes` (so a repack never holds more than a chunk's transients);
-    concatenating a suffix's chunks gives to_gguf's bytes."""
+    concatenating a suffix's chunks gives to_gguf's bytes. `checked` as in to_gguf."""
     fmt = formats.get(fmt_name)
-    fmt.check(parts, where)
+    if not checked:
+        fmt.check(parts, where)
     shape = fmt.shape(parts)
     optional = tuple(k for k in ("input_scale", "pre_quant_scale") if k in parts)
     spec = gguf_parts(fmt_name, shape, optional, where)
@@ -204,21 +210,22 @@ def iter_gguf(fmt_name: str, parts: Mapping[str, np.ndarray], chunk_bytes: int =
         rows = w.reshape(n, w.shape[-1])
     row_bytes = max(1, rows.shape[1] * rows.dtype.itemsize)
     step = max(1, chunk_bytes // row_bytes)
-    if wq in (GQ.NVFP4, GQ.MXFP4):
+    if wq == GQ.NVFP4:
         s = np.asarray(parts["scale"]).reshape(n, -1)
-        mod = nvfp4_mod if wq == GQ.NVFP4 else mxfp4_mod
+        for r in range(0, n, step):
+            yield "weight", nvfp4_mod.ggml_blocks(rows[r:r + step], s[r:r + step]).reshape(-1)
+    elif wq == GQ.MXFP4:
+        s = np.asarray(parts["scale"]).reshape(n, -1)
         for r in range(0, n, step):
             sub = {"weight": rows[r:r + step], "scale": s[r:r + step]}
-            if wq == GQ.NVFP4:
-                sub["scale_2"] = np.float32(1)
-            yield "weight", mod.to_ggml(sub, where)[0].reshape(-1)
+            yield "weight", mxfp4_mod.to_ggml(sub, where)[0].reshape(-1)
     else:
         for r in range(0, rows.shape[0], step):
             c = np.ascontiguousarray(rows[r:r + step])
             yield "weight", (c.view(np.int8) if wq == GQ.I8 else c).reshape(-1)
     side = [s for s, _, _ in spec[1:]]
     if side:
-        arrs = to_gguf(fmt_name, {k: v for k, v in parts.items()}, only=side, where=where)
+        arrs = to_gguf(fmt_name, parts, only=side, where=where, checked=True)
         for s in side:
             yield s, arrs[s].reshape(-1)
 

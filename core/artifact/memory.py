@@ -28,6 +28,7 @@ class MemoryArtifact(Artifact):
         produce[rank][name](): the tensor's parts in its format; metadata[rank]: the first shard's keys."""
         self.path = Path(path)
         self.shards, self.sums, self._readers = {}, {}, {}
+        self.digests, self.check = None, False      # no files: nothing to check bytes against
         self.tp = len(tables)
         self.ranks = list(range(self.tp))
         self._produce = {r: dict(p) for r, p in produce.items()}

@@ -9,7 +9,7 @@ from . import dense, fp8_block32, fp8_block128, fp8_channel, fp8_tensor, mxfp4, 
 from .base import Format, PartSpec
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    nvfp4.FORMAT, mxfp4.FORMAT, mxfp8.FORMAT, fp8_tensor.FORMAT, fp8_channel.FORMAT,
+    nvfp4.FORMAT, nvfp4.FORMAT_G32, mxfp4.FORMAT, mxfp8.FORMAT, fp8_tensor.FORMAT, fp8_channel.FORMAT,
     fp8_block128.FORMAT, fp8_block32.FORMAT, dense.BF16, dense.F16, dense.F32, q8_0.FORMAT)}
 
 

@@ -38,6 +38,7 @@ class Format:
 
     name: str = ""
     parts: tuple[PartSpec, ...] = ()
+    held_as: str | None = None    # the format the artifact holds it in, when not itself (see held)
 
     # -- structure -------------------------------------------------------------
     def shape(self, parts: Mapping[str, np.ndarray]) -> tuple[int, ...]:
@@ -55,17 +56,24 @@ class Format:
         a slice must start and stop on a multiple of this many elements."""
         raise NotImplementedError
 
-    def cut(self, parts: Mapping[str, np.ndarray], axis: int, start: int, stop: int, where: str = "") -> dict:
+    def cut(self, parts: Mapping[str, np.ndarray], axis: int, start: int, stop: int, where: str = "",
+            check: bool = True) -> dict:
         """The parts of logical slice [start, stop) along axis -1 or -2 (NotOnBlockBoundary
-        if either end is off the cut unit). decode(cut(p)) == decode(p)[slice] exactly."""
+        if either end is off the cut unit). decode(cut(p)) == decode(p)[slice] exactly.
+        check=False: the parts passed check() already (the cut's own bounds are still checked)."""
         raise NotImplementedError
 
     # -- values ----------------------------------------------------------------
-    def decode(self, parts: Mapping[str, np.ndarray], where: str = "") -> np.ndarray:
+    def decode(self, parts: Mapping[str, np.ndarray], where: str = "", check: bool = True) -> np.ndarray:
         """float32 array of the logical shape, bit-exact to the format's definition.
-        Runs check(parts, where) first."""
+        Runs check(parts, where) first (check=False: the parts passed it already)."""
         raise NotImplementedError
 
     def encode(self, x: np.ndarray, **kw) -> dict:
         """Quantize float values into this format's parts (for the Q8_0 lever and for tests)."""
+        raise NotImplementedError
+
+    def held(self, parts: Mapping[str, np.ndarray], where: str = "") -> dict:
+        """The parts in format `held_as`, every element decoding to the same value bit for bit
+        (a format with no artifact layout of its own)."""
         raise NotImplementedError

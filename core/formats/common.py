@@ -191,15 +191,17 @@ class Scaled(Format):
         i, lays = self._layout(parts, where)
         return np.asarray(parts["scale"]).reshape(lays[i][1])
 
-    def decode(self, parts, where=""):
-        self.check(parts, where)
+    def decode(self, parts, where="", check=True):
+        if check:
+            self.check(parts, where)
         v = self.elements(parts["weight"])
         s = self.scale_f32(self.canonical_scale(parts, where))
         return apply_blocks(v, s, self.bo, self.bi)
 
     # -- cuts ------------------------------------------------------------------
-    def cut(self, parts, axis, start, stop, where=""):
-        self.check(parts, where)
+    def cut(self, parts, axis, start, stop, where="", check=True):
+        if check:
+            self.check(parts, where)
         shape = self.shape(parts)
         check_cut(self, axis, start, stop, shape[axis], self.cut_unit(axis), where)
         out = {k: np.array(v, copy=True) for k, v in parts.items() if k not in ("weight", "scale")}

@@ -39,16 +39,18 @@ class Q8_0(Format):
     def cut_unit(self, axis):
         return {-1: BLOCK, -2: 1}[check_axis(self, axis)]
 
-    def cut(self, parts, axis, start, stop, where=""):
-        self.check(parts, where)
+    def cut(self, parts, axis, start, stop, where="", check=True):
+        if check:
+            self.check(parts, where)
         shape = self.shape(parts)
         check_cut(self, axis, start, stop, shape[axis], self.cut_unit(axis), where)
         w = np.asarray(parts["weight"])
         a, b = (start // BLOCK * BYTES, stop // BLOCK * BYTES) if axis == -1 else (start, stop)
         return {"weight": np.ascontiguousarray(w[sl(w.ndim, axis, a, b)])}
 
-    def decode(self, parts, where=""):
-        self.check(parts, where)
+    def decode(self, parts, where="", check=True):
+        if check:
+            self.check(parts, where)
         bl = self._blocks(parts["weight"])
         d = self._d(parts["weight"]).astype(np.float32)
         q = bl[..., 2:].view(np.int8).astype(np.float32)

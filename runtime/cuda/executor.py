@@ -56,10 +56,11 @@ except Exception:                        # pragma: no cover - depends on the mac
 
 from bloomery.core import levers
 from bloomery.core import plan as P
+from bloomery.core.rope import inv_freq
 
+from .. import device as devices
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
-from ..ops.rope import inv_freq
 from . import cu
 from . import gemm as M
 from . import gemv as G
@@ -258,6 +259,9 @@ class CudaExecutor:
         self.k = K.kernels()
         self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
         self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
+        free, total = cp.cuda.runtime.memGetInfo()       # refused before anything is uploaded
+        devices.check_fits(devices.device_bytes(self.plan, art.tensors(self.rank), symbols), free, total,
+                           f"{art.path}: rank {self.rank} on GPU {cp.cuda.Device().id}")
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
         shapes = {n: b for n, b in self.plan["buffers"].items()}
@@ -360,14 +364,15 @@ class CudaExecutor:
         a, b, at = ops[i], ops[i + 1], ops[i + 2]
         return (b["op"] == "rope" and at["op"] == "attention" and a["x"] == a["out"] == at["q"]
                 and b["x"] == b["out"] == at["k"] and a["pos"] == b["pos"] == at["pos"]
-                and a["theta"] == b["theta"] and a["head_dim"] == b["head_dim"] == at["head_dim"]
+                and a["theta"] == b["theta"] and a.get("scaling") == b.get("scaling")
+                and a["head_dim"] == b["head_dim"] == at["head_dim"]
                 and a["heads"] == at["heads"] and b["heads"] == at["kv_heads"] and at["head_dim"] % 2 == 0
                 and _rotary_dim(a) == _rotary_dim(b) and _rotary_dim(a) % 2 == 0 and _rotary_dim(a) <= a["head_dim"])
 
     def _rope_qk_kv(self, rq, rk, at, bufs, rows) -> list:
         D, Hq, Hk = int(at["head_dim"]), int(at["heads"]), int(at["kv_heads"])
         RD = _rotary_dim(rq)                  # partial rotary: the other D - RD values pass through to the cache
-        invf = cp.asarray(inv_freq(float(rq["theta"]), RD))
+        invf = cp.asarray(inv_freq(float(rq["theta"]), RD, rq.get("scaling")))     # core/rope.py, as NumPy's
         ck = bufs[at["cache_k"]]
         kern = self.k["rope_qk_kv_k"]
         args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
@@ -471,7 +476,7 @@ class CudaExecutor:
         H, D, RD = int(op["heads"]), int(op["head_dim"]), _rotary_dim(op)
         if RD % 2 or RD > D:
             raise PlanMismatch(f"rope: rotary_dim {RD} with head_dim {D} (an even rotary_dim <= head_dim expected)")
-        invf = cp.asarray(inv_freq(float(op["theta"]), RD))
+        invf = cp.asarray(inv_freq(float(op["theta"]), RD, op.get("scaling")))      # core/rope.py, as NumPy's
         n = rows * H * max(RD // 2, D - RD)
         kern = self.k["rope_k"]
         args = (x, out, pos, invf, np.int32(rows), np.int32(H), np.int32(D), np.int32(RD))
