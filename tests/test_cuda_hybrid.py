@@ -75,6 +75,7 @@ def bare(host: dict) -> CudaExecutor:
     ex = CudaExecutor.__new__(CudaExecutor)
     ex.k, ex.w = K.kernels(), DevW(host)
     ex.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}
+    ex._read_levers()
     ex.gemm_mode, ex.mm, ex._need, ex.decode_bytes, ex._pooled = "off", None, [], 0, {}
     ex.stream = cp.cuda.Stream(non_blocking=True)
     return ex

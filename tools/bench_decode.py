@@ -313,6 +313,45 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
             "plan_states": plan_states(ex.plan, ex.symbols)}
 
 
+def bench_slots(art: Path, slots: int, context: int, steps: int = 32) -> dict:
+    """Decode steps of `slots` rows, every slot holding `context` keys first (random ids prefilled):
+    aggregate tok/s over `steps` greedy steps (the host's round trip included), the decode graph
+    replayed alone, the device time per op kind, and the bytes a step must move (the weights once,
+    each row's cached keys and values, its recurrent states read and written)."""
+    import cupy as cp
+
+    from bloomery.runtime import Engine
+    eng = Engine(art, device="cuda", ctx=context + steps + WARM + 8, slots=slots, ubatch=min(512, context))
+    ex = eng.exec
+    rng = np.random.default_rng(0)
+    toks = []
+    for s in range(slots):
+        row = eng.prefill([int(i) for i in rng.integers(0, eng.vocab_size, context)], slot=s, last_only=True)
+        toks.append(int(np.argmax(row)))
+    for _ in range(WARM):
+        _, nxt = eng.decode(toks, logits=False)
+        toks = [int(t) for t in nxt]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _, nxt = eng.decode(toks, logits=False)
+        toks = [int(t) for t in nxt]
+    dt = (time.perf_counter() - t0) / steps
+    s = ex.stream
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record(s)
+    for _ in range(20):
+        ex.graph["decode"].launch(s)
+    e1.record(s)
+    e1.synchronize()
+    prof = ex.profile("decode", reps=10)
+    ps = plan_states(ex.plan, ex.symbols)
+    keys = context + WARM + steps / 2                   # the mean number of cached positions a row attends
+    traffic = ex.decode_bytes + slots * (keys * ps["kv_row_bytes"] + 2 * ps["recurrent_bytes"])
+    return {"slots": slots, "context": context, "s_per_step": dt, "tok_s": slots / dt, "traffic_per_step": traffic,
+            "replay_s": cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 20, "tc_mode": ex.tc_mode,
+            "groups": {k: round(v[0], 4) for k, v in grouped(prof).items()}}
+
+
 def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
     """One prompt of n tokens in one chunk (ubatch n): the prefill program's graph replayed (device
     time), the end-to-end Engine.prefill (host included), the useful FLOPs (linears, experts, head,
@@ -444,6 +483,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prepare-only", action="store_true", help="write and prepare the shapes, then stop")
     ap.add_argument("--traffic", action="store_true", help="print the bytes-per-token model and exit (no GPU)")
     ap.add_argument("--bw", type=float, default=4.26, help="--traffic: copy bandwidth in TB/s for its roofline")
+    ap.add_argument("--slots", nargs="*", type=int, default=[],
+                    help="also time decode steps of these many slots (rows), each holding --slot-context keys")
+    ap.add_argument("--slot-context", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     from bloomery.tools import synthetic
@@ -505,6 +547,13 @@ def main(argv=None) -> int:
                 rows.append(r)
                 continue
             r.update(bench_cuda(art, a.steps))
+            if a.slots:
+                free_gpu()
+                r["slot_runs"] = []
+                for n in a.slots:
+                    r["slot_runs"].append(bench_slots(art, n, a.slot_context))
+                    log(json.dumps(r["slot_runs"][-1]))
+                    free_gpu()
             ps = r["plan_states"]
             t = decode_traffic(sh, a.format, ctx, ps["itemsize"], ps["itemsize"])
             mine = traffic_states(t)
@@ -569,6 +618,21 @@ def main(argv=None) -> int:
             g = grouped(r["profile"])
             log("    by group: " + ", ".join(f"{k} {v[0]:.3f} ({v[1]})"
                                           for k, v in sorted(g.items(), key=lambda kv: -kv[1][0])))
+    for r in rows:
+        if r.get("slot_runs"):
+            base = r["slot_runs"][0]
+            log(f"  {r['shape']}: decode steps of several slots ({base['context']} keys each; BLOOMERY_DECODE_TC="
+                f"{base['tc_mode']}):")
+            log("  | slots | tok/s (all slots) | x first | step ms | graph ms | linears+head ms | attention ms | other ms "
+                "| MB a step | % copy roofline |")
+            log("  |---|---|---|---|---|---|---|---|---|---|")
+            for q in r["slot_runs"]:
+                g = q["groups"]
+                lin = g.get("linears", 0) + g.get("head", 0)
+                log(f"  | {q['slots']} | {q['tok_s']:.1f} | {q['tok_s'] / base['tok_s']:.2f} | {1e3 * q['s_per_step']:.2f} | "
+                    f"{1e3 * q['replay_s']:.2f} | {lin:.2f} | {g.get('attention', 0):.2f} | "
+                    f"{sum(g.values()) - lin - g.get('attention', 0):.2f} | {q['traffic_per_step'] / 1e6:.0f} | "
+                    f"{100 * q['traffic_per_step'] / q['s_per_step'] / bw:.1f} |")
     for r in rows:
         if r.get("host"):
             h = r["host"]

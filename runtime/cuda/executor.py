@@ -62,6 +62,7 @@ from .. import device as devices
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
 from . import cu
+from . import attention_decode as AD
 from . import gemm as M
 from . import gemv as G
 from . import mla_attention as MLA
@@ -257,7 +258,7 @@ class CudaExecutor:
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
-        self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+        self._read_levers()
         self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
         free, total = cp.cuda.runtime.memGetInfo()       # refused before anything is uploaded
         devices.check_fits(devices.device_bytes(self.plan, art.tensors(self.rank), symbols), free, total,
@@ -320,6 +321,13 @@ class CudaExecutor:
         for prog in P.PROGRAMS:
             self._warm(prog)
         self.warm_s = time.perf_counter() - t1
+
+    def _read_levers(self) -> None:
+        """The environment's kernel choices (specs/levers.yaml) and the device's multiprocessor count."""
+        self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+        self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
+        self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
+        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
     # -- binding: each op becomes a list of argument-bound launches --------------------------------
     def _bind(self, prog: str, rows: int) -> list:
@@ -407,14 +415,33 @@ class CudaExecutor:
 
     def _gemv(self, prog: str, lin: G.Linear, x, y, rows: int, accumulate: bool = False,
               exact: bool = False) -> list:
-        """y[:rows] = W x[:rows] (+ y): the GEMV kernels in launches of at most 8 rows, or, for more
-        rows, the tensor-core GEMM (gemm.py) when the mode allows and the format has a decoder."""
+        """y[:rows] = W x[:rows] (+ y). Decode steps of GGML NVFP4: the tensor-core GEMV (gemv_tc.cu, 16
+        rows a launch) where it is measured faster (gemv.tc_wins; lever BLOOMERY_DECODE_TC), else the
+        CUDA-core GEMV kernels in launches of at most 8 rows; prompt chunks of more rows: the
+        tensor-core GEMM (gemm.py) when the mode allows and the format has a decoder."""
         self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
+        steps = []
+        if (prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS and not lin.experts
+                and rows <= G.TC_ROWS):                 # more slots: the prompt GEMM (measured faster at 64)
+            for g in range(0, rows, G.TC_ROWS):         # decode rows (slots): the weight read once for them
+                nb = min(G.TC_ROWS, rows - g)
+                xv, yv = x[g:g + nb], y[g:g + nb]
+                if self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, nb):
+                    pf, si = lin.tc_need(nb)
+                    part, sem = self._pool("gemv_tc_part", (pf,)), self._pool("gemv_tc_sem", (si,), np.int32)
+                    lin.tc_kernel(nb)                    # compiled now, not inside the capture
+                    steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb, part=part, sem=sem:
+                                 lin.launch_tc(xv, yv, nb, accumulate, part, sem))
+                else:
+                    for h in range(0, nb, GEMV_ROWS):
+                        n = min(GEMV_ROWS, nb - h)
+                        self._need.append((lin, n))
+                        steps.append(lambda lin=lin, xv=xv[h:h + n], yv=yv[h:h + n], n=n: lin.launch(xv, yv, n, accumulate))
+            return steps
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
             if self.mm is None:
                 self.mm = M.Matmul(self.stream, self.gemm_mode)
             return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
-        steps = []
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)
             self._need.append((lin, nb))
@@ -506,6 +533,8 @@ class CudaExecutor:
             if sel is not None:
                 cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
+        elif sel is None and self.attn_mode == "split" and AD.supports(H, KV, D) is None:
+            attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))

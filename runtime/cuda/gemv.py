@@ -27,6 +27,7 @@ try:                                    # importable without CuPy (CPU machines,
 except Exception:                        # pragma: no cover - depends on the machine
     cp = None
 
+from . import cu
 from .gemv_src import SOURCE
 
 FMT_ID = {"f32": 0, "bf16": 1, "fp8_tensor": 2, "fp8_channel": 3, "fp8_block128": 4, "mxfp8": 5,
@@ -226,6 +227,73 @@ def mma_warps(out: int) -> int:
     return 16 if ctas < 264 else 8 if ctas < 1024 else 4
 
 
+# -- several activation rows on the tensor cores (gemv_tc.cu) ---------------------------------------
+TC_KINDS = ("nvfp4_ggml",)
+TC_ROWS = 16                              # activation rows per launch (4 per n-tile, NT <= 4)
+TC_SMEM = 64 * 1024                       # cap on a CTA's x slice in shared memory
+TC_SMEM_MAX = 227 * 1024 - 1024           # H100/H200 opt-in limit less the kernel's static shared memory
+
+
+@dataclass(frozen=True)
+class TcConfig:
+    """gemv_nvfp4_tc's shape: MT m-tiles (16 rows) per warp, W warps per CTA, U blocks of loads in
+    flight, `ctas` the grid it aims at (split-K adds slices until the row tiles fill it), at least
+    `min_blocks` 64-blocks a slice."""
+    MT: int = 2
+    W: int = 4
+    U: int = 4
+    ctas: int = 264
+    min_blocks: int = 4
+    NS: int = 0                           # > 0: weights staged through shared memory, NS chunks deep
+    xcap: int = TC_SMEM                   # cap on the x slice's shared bytes (fewer: more slices, more CTAs a SM)
+
+
+def tc_staged(inn: int, cfg: TcConfig) -> bool:
+    """Whether a launch stages the weights (cp.async needs 16-byte aligned 4-block chunks)."""
+    return cfg.NS > 0 and cfg.U == 4 and inn % 256 == 0
+
+
+def tc_config(out: int, inn: int, nb: int) -> TcConfig:
+    """The measured best shape (tools/bench_gemv_tc.py --variants, H200, 2026-12-01, docs/kernels.md):
+    weights staged two chunks deep; one m-tile a warp and a wider grid up to 4096 x 4096; 8 warps a
+    CTA and a wider grid for the larger shapes at more rows; four m-tiles a warp for the output head."""
+    if out >= 65536:
+        return TcConfig(MT=4 if nb > 4 else 2, W=8, ctas=528, NS=2)
+    if out <= 4096 and inn <= 4096:
+        return TcConfig(MT=1, ctas=528, NS=2)
+    if nb > 8 or (nb > 4 and out > inn):
+        return TcConfig(W=8, ctas=528, NS=2)
+    return TcConfig(NS=2)
+
+
+def tc_wins(kind: str, out: int, inn: int, nb: int) -> bool:
+    """Whether the tensor-core launch of nb rows beats the CUDA-core kernels (launches of <= 8 rows) on
+    this shape: measured from 2 rows on weights of >= 2^25 / nb values (docs/kernels.md)."""
+    return kind in TC_KINDS and 2 <= nb <= TC_ROWS and out * inn * nb >= 1 << 25
+
+
+def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
+    """(NT, grid, blocks per slice, shared bytes) of a launch of nb rows."""
+    if not 1 <= nb <= TC_ROWS:
+        raise ValueError(f"gemv_tc: {nb} activation rows; a launch takes 1..{TC_ROWS}")
+    NT = 1 if nb <= 4 else 2 if nb <= 8 else 4
+    nblk = inn // 64
+    tiles = -(-out // (16 * cfg.MT * cfg.W))
+    ks = max(1, min(nblk, -(-cfg.ctas // tiles)))
+    bps = max(-(-nblk // ks), min(cfg.min_blocks, nblk))
+    bps = min(bps, max(1, cfg.xcap // (NT * 1024)))
+    staged = tc_staged(inn, cfg)
+    if staged:
+        bps = -(-bps // 4) * 4
+    ks = -(-nblk // bps)
+    wbytes = cfg.W * (cfg.NS if staged else 0) * 16 * cfg.MT * 160
+    smem = bps * NT * 1024 + wbytes
+    if smem > TC_SMEM_MAX:
+        raise ValueError(f"gemv_tc {cfg}: {smem} bytes of shared memory a CTA (x slice + weight stages), "
+                         f"over the {TC_SMEM_MAX} a Hopper CTA may have")
+    return NT, (tiles, ks), bps, smem
+
+
 class Linear:
     """One weight matrix in its artifact layout on the device, with its kernel chosen.
     mma=True: GGML NVFP4 at batch 1 on the tensor cores (gemv_nvfp4_mma). Off by default: exact,
@@ -324,6 +392,39 @@ class Linear:
             args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail,
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
+
+    def tc_need(self, nb: int, cfg: TcConfig | None = None) -> tuple[int, int]:
+        """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
+        cfg = cfg or tc_config(self.out, self.inn, nb)
+        _, (tiles, ks), _, _ = tc_launch_shape(self.out, self.inn, nb, cfg)
+        return (ks * nb * self.out if ks > 1 else 1), tiles
+
+    def tc_kernel(self, nb: int, cfg: TcConfig | None = None):
+        cfg = cfg or tc_config(self.out, self.inn, nb)
+        NT, _, _, smem = tc_launch_shape(self.out, self.inn, nb, cfg)
+        ns = cfg.NS if tc_staged(self.inn, cfg) else 0
+        key = ("tc", NT, ns, cfg)
+        if key not in self._kern:
+            k = cu.kernel("gemv_tc", f"gemv_nvfp4_tc<{cfg.MT}, {cfg.W}, {NT}, {cfg.U}, {ns}>")
+            optin = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"]
+            k.max_dynamic_shared_size_bytes = optin - k.shared_size_bytes    # the limit; launches ask for less
+            self._kern[key] = k
+        return self._kern[key]
+
+    def launch_tc(self, x, y, nb: int, accumulate: bool = False, part=None, sem=None, cfg: TcConfig | None = None):
+        """y[:nb] = W x[:nb] (+ y) on the tensor cores, the weight read once for the nb rows (GGML
+        NVFP4). part / sem: scratch of tc_need's sizes (float32 / int32, sem all zero: every launch
+        leaves it so); made here when not given (not inside a graph capture)."""
+        if self.kind not in TC_KINDS or self.experts:
+            raise NotImplementedError(f"gemv_tc: no tensor-core kernel for {self.kind}")
+        cfg = cfg or tc_config(self.out, self.inn, nb)
+        NT, grid, bps, smem = tc_launch_shape(self.out, self.inn, nb, cfg)
+        if part is None or sem is None:
+            pf, si = self.tc_need(nb, cfg)
+            part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
+        i32 = cp.int32
+        self.tc_kernel(nb, cfg)(grid, (32 * cfg.W,), (self.w, self.sc, x, y, part, sem, i32(self.out), i32(self.inn),
+                                                      i32(nb), i32(int(accumulate)), i32(bps)), shared_mem=smem)
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1

@@ -1,0 +1,150 @@
+// Decode attention split over the context (binding: runtime/cuda/attention_decode.py; the contract:
+// runtime/ops/attention.py without `select`). A CTA takes one (kv head, row, split): the G = H / KV
+// query heads of the kv head over the split's share of the row's keys 0..pos, so each key and value
+// row is read once per row, not once per query head, and a long context fills the GPU. Tiles of 32
+// keys are staged in shared memory by coalesced 16-byte loads (K rows padded: a lane's own key is
+// conflict-free), scores are float32 FMAs over d (four chains), softmax online per head (warp w: heads
+// w, w + 4, ...). With S splits each CTA writes (max, sum, acc[D]) per head to `part`; the last CTA
+// of a (kv head, row) to arrive (a counter in `sem`, left at 0) merges them in split order:
+// deterministic. An inactive row (pos < 0) gives zeros.
+
+#define NEG_INF __int_as_float(0xff800000u)
+
+template <int DPL, int HPW>
+__global__ void __launch_bounds__(128) attention_decode_k(const float *__restrict__ q, const float *__restrict__ ck,
+    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+    float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D, int ctx, float scale) {
+  extern __shared__ float sh[];
+  __shared__ int last;
+  const int kvh = blockIdx.x, r = blockIdx.y, s = blockIdx.z, S = gridDim.z;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, G = H / KV, DP = D + 1;
+  const int p = pos[r];
+  if (p < 0) {                                       // inactive: zeros, written once
+    if (s == 0)
+      for (int i = tid; i < G * D; i += 128) out[((size_t)r * H + kvh * G) * D + i] = 0.f;
+    return;
+  }
+  const int n = min(p, ctx - 1) + 1, per = max((n + S - 1) / S, 64);   // splits past the keys: empty
+  const int t0 = s * per, t1 = min(n, t0 + per);
+  float *Qs = sh, *Ks = Qs + G * D, *Vs = Ks + 32 * DP, *Ps = Vs + 32 * D;   // Ps: [G][32]
+  for (int i = tid; i < G * D; i += 128) Qs[i] = q[((size_t)r * H + kvh * G) * D + i];
+  const size_t rs = (size_t)KV * D;
+  const float *K = ck + (size_t)slot[r] * ctx * rs + (size_t)kvh * D;
+  const float *V = cv + (size_t)slot[r] * ctx * rs + (size_t)kvh * D;
+  float m[HPW], l[HPW], acc[HPW][DPL];
+#pragma unroll
+  for (int j = 0; j < HPW; j++) {
+    m[j] = NEG_INF; l[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) acc[j][i] = 0.f;
+  }
+  const int D4 = D >> 2;                             // float4s a key row (D % 4 == 0)
+  for (int tb = t0; tb < t1; tb += 32) {
+    const int nt = min(32, t1 - tb);
+    __syncthreads();                                 // the last tile is no longer read
+    for (int i = tid; i < 32 * D4; i += 128) {
+      const int j = i / D4, d = 4 * (i - j * D4);
+      float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+      if (j < nt) {
+        kv = *reinterpret_cast<const float4 *>(K + (size_t)(tb + j) * rs + d);
+        vv = *reinterpret_cast<const float4 *>(V + (size_t)(tb + j) * rs + d);
+      }
+      float *kd = Ks + j * DP + d;
+      kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;
+      *reinterpret_cast<float4 *>(Vs + j * D + d) = vv;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int jh = 0; jh < HPW; jh++) {
+      const int h = w + 4 * jh;
+      if (h < G) {                                   // warp-uniform
+        float sc = NEG_INF;
+        if (lane < nt) {
+          const float *qh = Qs + h * D, *kr = Ks + lane * DP;
+          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;     // four chains in flight (D % 4 == 0)
+          for (int i = 0; i < D; i += 4) {
+            d0 = fmaf(qh[i], kr[i], d0); d1 = fmaf(qh[i + 1], kr[i + 1], d1);
+            d2 = fmaf(qh[i + 2], kr[i + 2], d2); d3 = fmaf(qh[i + 3], kr[i + 3], d3);
+          }
+          sc = ((d0 + d1) + (d2 + d3)) * scale;
+        }
+        float tm = sc;
+#pragma unroll
+        for (int o = 16; o; o >>= 1) tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, o));
+        const float mn = fmaxf(m[jh], tm);
+        const float c = expf(m[jh] - mn);
+        const float e = lane < nt ? expf(sc - mn) : 0.f;
+        float es = e;
+#pragma unroll
+        for (int o = 16; o; o >>= 1) es += __shfl_xor_sync(0xffffffffu, es, o);
+        l[jh] = l[jh] * c + es;
+        m[jh] = mn;
+        Ps[h * 32 + lane] = e;
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[jh][i] *= c;
+        for (int j = 0; j < nt; j++) {
+          const float pj = Ps[h * 32 + j];
+#pragma unroll
+          for (int i = 0; i < DPL; i++) {
+            const int d = lane + 32 * i;
+            if (d < D) acc[jh][i] = fmaf(pj, Vs[j * D + d], acc[jh][i]);
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+  float *o = out + ((size_t)r * H + kvh * G) * D;
+  if (S == 1) {
+#pragma unroll
+    for (int jh = 0; jh < HPW; jh++) {
+      const int h = w + 4 * jh;
+      if (h < G)
+#pragma unroll
+        for (int i = 0; i < DPL; i++) {
+          const int d = lane + 32 * i;
+          if (d < D) o[h * D + d] = acc[jh][i] / l[jh];
+        }
+    }
+    return;
+  }
+  // part: [rows][H][S][2 + D] (max, sum, acc); an empty split leaves max -inf, sum 0
+  const int RP = 2 + D;
+#pragma unroll
+  for (int jh = 0; jh < HPW; jh++) {
+    const int h = w + 4 * jh;
+    if (h < G) {
+      float *pp = part + (((size_t)r * H + kvh * G + h) * S + s) * RP;
+      if (lane == 0) { pp[0] = m[jh]; pp[1] = l[jh]; }
+#pragma unroll
+      for (int i = 0; i < DPL; i++) {
+        const int d = lane + 32 * i;
+        if (d < D) pp[2 + d] = acc[jh][i];
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  const int ti = r * KV + kvh;
+  if (tid == 0) last = atomicAdd(sem + ti, 1) == S - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = tid; i < G * D; i += 128) {
+    const int h = i / D, d = i - h * D;
+    const float *pp = part + ((size_t)r * H + kvh * G + h) * S * RP;
+    float M = NEG_INF;
+    for (int k = 0; k < S; k++) M = fmaxf(M, __ldcg(pp + k * RP));
+    float num = 0.f, den = 0.f;
+    for (int k = 0; k < S; k++) {
+      const float mk = __ldcg(pp + k * RP);
+      if (mk == NEG_INF) continue;                   // an empty split
+      const float f = expf(mk - M);
+      num = fmaf(__ldcg(pp + k * RP + 2 + d), f, num);
+      den = fmaf(__ldcg(pp + k * RP + 1), f, den);
+    }
+    o[h * D + d] = num / den;
+  }
+  if (tid == 0) sem[ti] = 0;
+}

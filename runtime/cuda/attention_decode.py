@@ -1,0 +1,58 @@
+"""CUDA decode attention split over the context: the contract of runtime/ops/attention.py without
+`select` (attention_decode.cu), for decode programs. The cache write stays the executor's kv_write_k
+(or the fused rope kernel); this is the attend step only.
+
+    step = attention_decode.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, scale, pool)
+    step()          # one launch on the current stream: capturable, no allocation, no host sync
+
+`pool(key, shape, dtype)` gives scratch shared by the executor's ops (the split partials and the
+merge counters, which every launch leaves at zero)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cu
+
+MAX_G = 16                                  # query heads a kv head (4 warps x 4 heads)
+
+
+def supports(H: int, KV: int, D: int) -> str | None:
+    """None when the kernel takes this head shape, else why not."""
+    if H % KV or H // KV > MAX_G:
+        return f"heads {H} over kv_heads {KV}: at most {MAX_G} query heads a kv head"
+    if D % 4 or D > 256:
+        return f"head_dim {D}: a multiple of 4, at most 256"
+    return None
+
+
+def splits(KV: int, rows: int, ctx: int, sms: int = 132) -> int:
+    """Context splits of a launch: enough CTAs for two waves on `sms` multiprocessors, each split at
+    least 64 keys of the longest context."""
+    return int(max(1, min(-(-2 * sms // (KV * rows)), -(-ctx // 64))))
+
+
+def smem_bytes(G: int, D: int) -> int:
+    return 4 * (G * D + 32 * (D + 1) + 32 * D + G * 32)
+
+
+def kernel_name(G: int, D: int) -> str:
+    hpw = -(-G // 4)
+    return f"attention_decode_k<{-(-D // 32)}, {4 if hpw == 3 else hpw}>"
+
+
+def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132):
+    why = supports(H, KV, D)
+    if why:
+        raise ValueError(f"attention_decode: {why}")
+    ctx = int(ck.shape[1])
+    G, S = H // KV, splits(KV, rows, ctx, sms)
+    kern = cu.kernel("attention_decode", kernel_name(G, D))
+    smem = smem_bytes(G, D)
+    if smem > 48 * 1024:
+        kern.max_dynamic_shared_size_bytes = smem
+    part = pool("attention_decode.part", (max(1, rows * H * S * (D + 2) if S > 1 else 1),))
+    sem = pool("attention_decode.sem", (rows * KV,), np.int32)
+    args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
+            np.float32(scale))
+    return lambda: kern((KV, rows, S), (128,), args, shared_mem=smem)

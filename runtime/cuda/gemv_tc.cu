@@ -1,0 +1,319 @@
+// Decode GEMV of several activation rows on the tensor cores, reading the weight once for all rows
+// (binding: runtime/cuda/gemv.py, Linear.launch_tc; design and measurements: docs/kernels.md).
+//
+//   y[b, row] = (add ? y[b, row] : 0) + sum_k x[b, k] * W[row, k],   b < nb <= 4 * NT
+//
+// W: GGML NVFP4 rows of in/64 blocks of 36 bytes (4 E4M3 sub-block scales, then 4 sub-blocks of 8
+// bytes; sub-block byte j: element j in the low nibble, j + 8 in the high one); sc: scale_2 (f32).
+// x, y: float32 row-major [nb, in] / [nb, out].
+//
+// mma.sync m16n8k16 (f16 in, float32 accumulate), the weight as A (16 rows), x as B: column 2i of
+// an n-tile is batch row 4 nt + i's high f16 part, column 2i + 1 its low part (x = hi + lo to ~22
+// bits, after a power of two per batch row that brings the slice's largest |x| into [2^14, 2^15)),
+// so an accumulator pair (d0 + d1) is one output of one batch row. Products are exact (e2m1 * E4M3
+// * 2^-6 is exact in f16); the sum is float32.
+//
+// Grid (ceil(out / (16 MT W)), KS): a CTA takes 16 MT W rows (warp w: MT m-tiles) and the k-slice
+// ks (bps blocks). Its x slice goes to shared memory once, already in B-fragment order (one
+// conflict-free 16-byte load per lane and fragment half), read by all W warps. With KS > 1 each
+// CTA writes its partial sums to `part` [KS, nb, out]; the last CTA of a row tile to arrive (a
+// counter per tile in `sem`, left at 0 for the next launch) adds them in ks order: deterministic.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
+  u32 r; u16 v = (u16)v16;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
+  u16 lo, hi;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+}
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {      // lo -> low half (the even k)
+  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// E2M1 nibbles -> E4M3 bytes holding e2m1 * 2^-6 (E4M3's subnormals line up with E2M1's)
+__device__ __forceinline__ u32 lo_nib_e4m3(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
+__device__ __forceinline__ u32 hi_nib_e4m3(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
+
+__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// one data word's 8 values times the sub-block scale, as f16x2: (el 0,1), (el 2,3) of its low nibbles,
+// then of its high nibbles
+__device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
+  const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
+  h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
+  h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
+}
+// a pair of scaled x values as f16x2: their high parts, or (part 1) what the high parts leave
+__device__ __forceinline__ u32 split2(float a, float b, int part) {
+  const u32 h = f2h2(a, b);
+  if (!part) return h;
+  float ha, hb;
+  h2f2(h, ha, hb);
+  return f2h2(a - ha, b - hb);
+}
+
+// U blocks of MT m-tiles' weights: thread (g, c) reads sub-block c (data words 2c, 2c+1 at byte 4 + 8c,
+// scale byte c) of rows g and g + 8 of each m-tile (blocks past the slice re-read its last block)
+template <int MT, int U> struct Chunk { u32 wa[U][MT][2], wb[U][MT][2], sa[U][MT], sb[U][MT]; };
+
+template <int MT, int U>
+__device__ __forceinline__ void load_chunk(Chunk<MT, U> &q, const u8 *const (&pa)[MT], const u8 *const (&pb)[MT],
+                                           int jb, int nj, int c) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int o = min(jb + u, nj - 1) * 36;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      const u32 *qa = reinterpret_cast<const u32 *>(pa[mt] + o + 4 + 8 * c);
+      const u32 *qb = reinterpret_cast<const u32 *>(pb[mt] + o + 4 + 8 * c);
+      q.wa[u][mt][0] = __ldg(qa); q.wa[u][mt][1] = __ldg(qa + 1);
+      q.wb[u][mt][0] = __ldg(qb); q.wb[u][mt][1] = __ldg(qb + 1);
+      q.sa[u][mt] = __ldg(pa[mt] + o + c); q.sb[u][mt] = __ldg(pb[mt] + o + c);
+    }
+  }
+}
+
+template <int MT, int NT, int U>
+__device__ __forceinline__ void mma_chunk(float (&d)[MT][NT][4], const Chunk<MT, U> &q, const uint4 *xs, int jb, int nj,
+                                          int lane) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int j = jb + u;
+    if (j < nj) {
+      uint4 q0[NT], q1[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        q0[nt] = xs[((j * NT + nt) * 2) * 32 + lane];
+        q1[nt] = xs[((j * NT + nt) * 2 + 1) * 32 + lane];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        const u32 s2a = e4m3x2_h2(q.sa[u][mt] | (q.sa[u][mt] << 8)), s2b = e4m3x2_h2(q.sb[u][mt] | (q.sb[u][mt] << 8));
+        u32 A0[4], A1[4], B0[4], B1[4];
+        nvfp4_word_h2(q.wa[u][mt][0], s2a, A0); nvfp4_word_h2(q.wa[u][mt][1], s2a, A1);
+        nvfp4_word_h2(q.wb[u][mt][0], s2b, B0); nvfp4_word_h2(q.wb[u][mt][1], s2b, B1);
+        // k slots of the four mmas: elements 0..3, 8..11, 4..7, 12..15 of the sub-block
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          mma16816(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
+          mma16816(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
+          mma16816(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
+          mma16816(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
+        }
+      }
+    }
+  }
+}
+
+// NS > 0: the weights reach the warp through its own shared-memory stages (cp.async, 16-byte pieces:
+// a row's 4 blocks are 144 contiguous bytes, whole 128-byte lines per instruction), NS chunks of 4
+// blocks in flight, instead of 4-byte loads that touch 8 rows' lines each. Needs 16-byte aligned
+// chunks: in % 256 == 0 and slices of whole chunks (the host checks).
+#define TC_ROW 160                                   // a staged row: 144 bytes + 16 (spreads the banks)
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+  const u32 d = (u32)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+
+template <int MT>
+__device__ __forceinline__ void stage_chunk(u8 *st, const u8 *Wt, int rbase, int out, int rowbytes, size_t off, int lane) {
+  for (int p = lane; p < 16 * MT * 9; p += 32) {
+    const int r = p / 9, q = p - 9 * (p / 9);
+    cp_async16(st + r * TC_ROW + 16 * q, Wt + (size_t)min(rbase + r, out - 1) * rowbytes + off + 16 * q);
+  }
+  cp_commit();
+}
+// the staged chunk through the tensor cores: each block's fragments read from shared memory just before
+// its mmas (a few registers, so MT can grow: B fragments are reused by MT m-tiles)
+template <int MT, int NT>
+__device__ __forceinline__ void mma_staged(float (&d)[MT][NT][4], const u8 *st, const uint4 *xs, int jb, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int u = 0; u < 4; u++) {
+    const int j = jb + u;
+    uint4 q0[NT], q1[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      q0[nt] = xs[((j * NT + nt) * 2) * 32 + lane];
+      q1[nt] = xs[((j * NT + nt) * 2 + 1) * 32 + lane];
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      const u8 *a = st + (16 * mt + g) * TC_ROW + 36 * u, *b = a + 8 * TC_ROW;
+      const u32 wa0 = *reinterpret_cast<const u32 *>(a + 4 + 8 * c), wa1 = *reinterpret_cast<const u32 *>(a + 8 + 8 * c);
+      const u32 wb0 = *reinterpret_cast<const u32 *>(b + 4 + 8 * c), wb1 = *reinterpret_cast<const u32 *>(b + 8 + 8 * c);
+      const u32 s2a = e4m3x2_h2(a[c] * 0x0101u), s2b = e4m3x2_h2(b[c] * 0x0101u);
+      u32 A0[4], A1[4], B0[4], B1[4];
+      nvfp4_word_h2(wa0, s2a, A0); nvfp4_word_h2(wa1, s2a, A1);
+      nvfp4_word_h2(wb0, s2b, B0); nvfp4_word_h2(wb1, s2b, B1);
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        mma16816(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
+        mma16816(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
+        mma16816(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
+        mma16816(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
+      }
+    }
+  }
+}
+
+template <int MT, int W, int NT, int U, int NS>
+__global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ Wt, const float *__restrict__ sc,
+    const float *__restrict__ x, float *__restrict__ y, float *__restrict__ part, int *__restrict__ sem,
+    int out, int in, int nb, int add, int bps) {
+  extern __shared__ uint4 xs[];                      // [nj][NT][2 halves][32 lanes]
+  __shared__ float xscale[4 * NT], xinv[4 * NT];
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nblk = in >> 6, rowbytes = nblk * 36;
+  const int KS = gridDim.y, ks = blockIdx.y;
+  const int j0 = ks * bps, nj = min(bps, nblk - j0), k0 = j0 * 64;
+  const int g = lane >> 2, c = lane & 3;
+  const int rbase = (blockIdx.x * W + warp) * 16 * MT;
+  const u8 *pa[MT], *pb[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    pa[mt] = Wt + (size_t)min(rbase + 16 * mt + g, out - 1) * rowbytes + (size_t)j0 * 36;
+    pb[mt] = Wt + (size_t)min(rbase + 16 * mt + g + 8, out - 1) * rowbytes + (size_t)j0 * 36;
+  }
+  Chunk<MT, (NS > 0 ? 1 : U)> qa, qb;                // registers of the direct path only
+  u8 *wst = reinterpret_cast<u8 *>(xs + bps * NT * 64) + warp * (NS ? NS : 1) * 16 * MT * TC_ROW;
+  const int nch = nj / 4;
+  if constexpr (NS > 0) {                            // the first weights in flight while x is staged
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+      if (s < nch) stage_chunk<MT>(wst + s * 16 * MT * TC_ROW, Wt, rbase, out, rowbytes, (size_t)(j0 + 4 * s) * 36, lane);
+      else cp_commit();
+    }
+  } else {
+    load_chunk<MT, U>(qa, pa, pb, 0, nj, c);
+  }
+
+  // 1. per batch row, the power of two for the slice
+  for (int b = warp; b < 4 * NT; b += W) {
+    float m = 0.f;
+    if (b < nb)
+      for (int i = lane; i < nj * 16; i += 32) {
+        const float4 v = __ldg(reinterpret_cast<const float4 *>(x + (size_t)b * in + k0) + i);
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) {
+      const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;
+      xscale[b] = __uint_as_float((u32)(127 + 14 - e) << 23);
+      xinv[b] = __uint_as_float((u32)(127 - 14 + e) << 23);
+    }
+  }
+  __syncthreads();
+  // 2. the x slice as f16 hi / lo parts in B-fragment order: lane (g, c) of n-tile nt, block j, half h
+  //    holds elements 64 j + 16 c + 8 h .. + 7 of column g (batch row 4 nt + g / 2, part g % 2)
+  for (int i = threadIdx.x; i < nj * NT * 64; i += W * 32) {
+    const int L = i & 31, h = (i >> 5) & 1, t = i >> 6, nt = t % NT, j = t / NT;
+    const int gg = L >> 2, cc = L & 3, b = 4 * nt + (gg >> 1), pt = gg & 1;
+    uint4 r = make_uint4(0u, 0u, 0u, 0u);
+    if (b < nb) {
+      const float4 *p = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0 + 64 * j + 16 * cc + 8 * h);
+      const float4 v0 = __ldg(p), v1 = __ldg(p + 1);
+      const float s = xscale[b];
+      r.x = split2(v0.x * s, v0.y * s, pt); r.y = split2(v0.z * s, v0.w * s, pt);
+      r.z = split2(v1.x * s, v1.y * s, pt); r.w = split2(v1.z * s, v1.w * s, pt);
+    }
+    xs[i] = r;
+  }
+  __syncthreads();
+
+  // 3. the warp's MT m-tiles over the slice, two register buffers of U blocks: one in flight while
+  //    the other goes through the tensor cores
+  float d[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) d[mt][nt][q] = 0.f;
+  if constexpr (NS > 0) {
+    static_assert(U == 4, "a staged chunk is 4 blocks");
+    for (int ch = 0; ch < nch; ch++) {
+      cp_wait<NS - 2>();                             // this lane's pieces of chunk ch have landed
+      __syncwarp();                                  // and every lane's; stage (ch - 1) % NS is free
+      const int nx = ch + NS - 1;
+      if (nx < nch) stage_chunk<MT>(wst + (nx % NS) * 16 * MT * TC_ROW, Wt, rbase, out, rowbytes, (size_t)(j0 + 4 * nx) * 36, lane);
+      else cp_commit();
+      mma_staged<MT, NT>(d, wst + (ch % NS) * 16 * MT * TC_ROW, xs, 4 * ch, lane);
+    }
+  } else
+  for (int jb = 0; jb < nj; jb += 2 * U) {
+    if (jb + U < nj) load_chunk<MT, U>(qb, pa, pb, jb + U, nj, c);
+    mma_chunk<MT, NT, U>(d, qa, xs, jb, nj, lane);
+    if (jb + U >= nj) break;
+    if (jb + 2 * U < nj) load_chunk<MT, U>(qa, pa, pb, jb + 2 * U, nj, c);
+    mma_chunk<MT, NT, U>(d, qb, xs, jb + U, nj, lane);
+  }
+
+  // 4. thread (g, c) holds rows g, g + 8 of each m-tile for batch row 4 nt + c: (d0 + d1), (d2 + d3)
+  const float s2 = __ldg(sc) * 64.0f;                // the e2m1 -> E4M3 trick's 2^-6 undone
+  if (KS == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) {
+        const int b = 4 * nt + c;
+        if (b >= nb) continue;
+        const float f = xinv[b] * s2;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int row = rbase + 16 * mt + g + 8 * hh;
+          if (row < out) {
+            float *p = y + (size_t)b * out + row;
+            const float v = (d[mt][nt][2 * hh] + d[mt][nt][2 * hh + 1]) * f;
+            *p = add ? *p + v : v;
+          }
+        }
+      }
+    return;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+      const int b = 4 * nt + c;
+      if (b >= nb) continue;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int row = rbase + 16 * mt + g + 8 * hh;
+        if (row < out) part[((size_t)ks * nb + b) * out + row] = (d[mt][nt][2 * hh] + d[mt][nt][2 * hh + 1]) * xinv[b];
+      }
+    }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(sem + blockIdx.x, 1) == KS - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int R = 16 * MT * W, row0 = blockIdx.x * R;
+  for (int i = threadIdx.x; i < nb * R; i += W * 32) {
+    const int b = i / R, row = row0 + i % R;
+    if (row < out) {
+      float v = 0.f;
+      for (int k = 0; k < KS; k++) v += __ldcg(part + ((size_t)k * nb + b) * out + row);
+      v *= s2;
+      float *p = y + (size_t)b * out + row;
+      *p = add ? *p + v : v;
+    }
+  }
+  if (threadIdx.x == 0) sem[blockIdx.x] = 0;
+}

@@ -1,0 +1,63 @@
+"""GPU: the split-context decode attention (runtime/cuda/attention_decode.cu) against a float64
+softmax attention over the same cache (the contract of runtime/ops/attention.py without `select`),
+and through the executor against the per-row kernel it replaces. Skipped, visibly, without CuPy or a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_cuda_kernels import cp                          # skips, visibly, without CuPy or a GPU
+
+from bloomery.runtime.cuda import attention_decode as AD  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def reference(q, ck, cv, pos, slot, H, KV, D, scale):
+    G = H // KV
+    out = np.zeros((len(pos), H * D))
+    for r, p in enumerate(pos):
+        if p < 0:
+            continue
+        n = min(p, ck.shape[1] - 1) + 1
+        for h in range(H):
+            K = ck[slot[r], :n, h // G].astype(np.float64)
+            V = cv[slot[r], :n, h // G].astype(np.float64)
+            s = K @ q[r, h * D:(h + 1) * D].astype(np.float64) * scale
+            e = np.exp(s - s.max())
+            out[r, h * D:(h + 1) * D] = (e / e.sum()) @ V
+    return out
+
+
+@pytest.mark.parametrize("H,KV,D", [(32, 8, 128), (16, 2, 256), (12, 1, 64), (4, 4, 80), (16, 16, 64)],
+                         ids=["llama8b", "qwen3next", "g12", "mha-d80", "mha16"])
+@pytest.mark.parametrize("sms", [132, 1], ids=["split", "one-split"])
+def test_attention_decode_matches_float64(H, KV, D, sms):
+    rng = np.random.default_rng(H * 1000 + KV * 10 + D + sms)
+    slots, ctx = 5, 700
+    ck = rng.standard_normal((slots, ctx, KV, D)).astype(np.float32)
+    cv = rng.standard_normal((slots, ctx, KV, D)).astype(np.float32)
+    pos = np.array([0, 699, -1, 31, 33, 450], np.int32)          # one key, the whole cache, idle, tile edges
+    slot = np.array([0, 1, 2, 3, 4, 0], np.int32)
+    rows = len(pos)
+    q = (rng.standard_normal((rows, H * D)) * 0.3).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    pool = {}
+
+    def take(key, shape, dtype=np.float32):
+        return pool.setdefault((key, shape), cp.zeros(shape, dtype))
+    d = {k: cp.asarray(v) for k, v in dict(q=q, ck=ck, cv=cv, pos=pos, slot=slot).items()}
+    out = cp.full((rows, H * D), cp.nan, cp.float32)
+    step = AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], out, rows, H, KV, D, scale, take, sms=sms)
+    assert (AD.splits(KV, rows, ctx, sms) > 1) == (sms > 1)
+    step()
+    got = cp.asnumpy(out)
+    ref = reference(q, ck, cv, pos, slot, H, KV, D, scale)
+    assert (got[2] == 0).all(), "an idle row must give zeros"
+    for r in range(rows):
+        err = np.linalg.norm(got[r] - ref[r]) / max(np.linalg.norm(ref[r]), 1e-30)
+        assert err <= 1e-5, (r, err)
+    step()
+    assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
+    assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"

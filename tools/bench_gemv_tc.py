@@ -1,0 +1,127 @@
+"""Check and time the decode GEMV of several activation rows: the CUDA-core kernels (launches of up
+to 8 rows) against the tensor-core kernel (gemv_tc.cu, up to 16 rows a launch) on the GPU.
+
+    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants]
+
+Every tensor-core variant is checked against float64 (16 rows, y poisoned) before it is timed.
+Timing as tools/bench_kernels.py: a CUDA graph of launches rotating over copies of the weight
+that cannot sit in L2, median of 5 replays. GB/s counts the weight bytes once per launch of all
+rows (what a decode step of that many slots reads); % copy is against the device copy bandwidth
+measured in the same run. The last table is the Llama-3-8B layer stack (32 x q,k,v,o,gate,up,down
++ head): ms per decode step of its linears and the ratio to one row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import cupy as cp
+
+from bloomery.runtime.cuda import gemv as G
+from bloomery.runtime.cuda.bandwidth import copy_bandwidth
+from bloomery.tools.bench_kernels import LLAMA, check_one, copies, log, make_arrays, ref_decode, time_linears
+
+STACK = {(4096, 4096): 64, (1024, 4096): 64, (14336, 4096): 64, (4096, 14336): 32, (128256, 4096): 1}
+K = 1024
+VARIANTS = [G.TcConfig(NS=2), G.TcConfig(W=8, ctas=528, NS=2), G.TcConfig(MT=1, ctas=528, NS=2),
+            G.TcConfig(NS=2, xcap=32 * K), G.TcConfig(NS=2, xcap=16 * K), G.TcConfig(W=8, ctas=528, NS=2, xcap=32 * K),
+            G.TcConfig(W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=1, ctas=528, NS=2, xcap=16 * K),
+            G.TcConfig(MT=4, W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=4, W=8, ctas=528, NS=2),
+            G.TcConfig(W=8, ctas=1056, NS=2, xcap=16 * K)]
+
+
+class Cores:
+    """The CUDA-core kernels over launches of at most 8 rows (what the executor does today)."""
+    def __init__(self, lin):
+        self.lin, self.nbytes, self.out, self.inn = lin, lin.nbytes, lin.out, lin.inn
+
+    def launch(self, x, y, nb, accumulate=False):
+        for g in range(0, nb, G.MAX_BATCH):
+            n = min(G.MAX_BATCH, nb - g)
+            self.lin.launch(x[g:g + n], y[g:g + n], n, accumulate)
+
+    __call__ = lambda self, x, y, accumulate=False: self.launch(x, y, x.shape[0], accumulate)  # noqa: E731
+
+
+class Tc:
+    def __init__(self, lin, cfg, part, sem):
+        self.lin, self.cfg, self.part, self.sem = lin, cfg, part, sem
+        self.nbytes, self.out, self.inn = lin.nbytes, lin.out, lin.inn
+
+    def launch(self, x, y, nb, accumulate=False):
+        self.lin.launch_tc(x, y, nb, accumulate, self.part, self.sem, self.cfg)
+
+    __call__ = lambda self, x, y, accumulate=False: self.launch(x, y, x.shape[0], accumulate)  # noqa: E731
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    part = cp.zeros(64 << 20, cp.float32)
+    sem = cp.zeros(1 << 16, cp.int32)
+    res, failures = [], []
+    for out, inn in LLAMA:
+        a = make_arrays("nvfp4", out, inn)
+        lin = G.Linear("nvfp4", (out, inn), a)
+        W64 = ref_decode("nvfp4", a, out, inn)
+        cfgs = [None] + (VARIANTS if args.variants else [])     # None: gemv.tc_config's choice
+        for cfg in cfgs:
+            for nb, acc in ((16, False), (3, True), (1, False)):
+                ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
+                if not ok:
+                    failures.append(f"{out}x{inn} {cfg} nb={nb} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
+        del W64
+        bufs = copies(a, lin.nbytes)
+        lins = [G.Linear("nvfp4", (out, inn), b) for b in bufs]
+        for nb in args.rows:
+            x = cp.random.standard_normal((nb, inn), dtype=cp.float32)
+            y = cp.zeros((nb, out), cp.float32)
+            rec = {"out": out, "in": inn, "rows": nb, "bytes": lin.nbytes,
+                   "cores_us": time_linears([Cores(L) for L in lins], x, y, nb)[0] * 1e6}
+            for cfg in cfgs:
+                rec[repr(cfg)] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6
+            rec["tc_us"] = rec[repr(cfgs[0])]
+            rec["best"] = min((rec[repr(c)], repr(c)) for c in cfgs)
+            rec["rule_cfg"] = repr(G.tc_config(out, inn, nb))
+            res.append(rec)
+            log(f"{out:6d}x{inn:<6d} rows {nb:2d}: cores {rec['cores_us']:8.2f} us  tc {rec['tc_us']:8.2f} us  "
+                f"best {rec['best'][0]:8.2f} {rec['best'][1]}")
+        del bufs, lins
+        cp.get_default_memory_pool().free_all_blocks()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_gemv_tc.json").write_text(json.dumps({"copy_bw": bw, "results": res,
+                                                                   "failures": failures}, indent=1))
+    log(f"\nchecks: {len(failures)} failures")
+    for f in failures:
+        log("  FAIL", f)
+    log(f"\n## GGML NVFP4, rows per launch (copy {bw / 1e12:.2f} TB/s; GB/s = weight bytes once / time)")
+    log("| out x in | rows | CUDA cores us | tensor cores us | tc GB/s | tc % copy | speed |")
+    log("|---|---|---|---|---|---|---|")
+    for r in res:
+        log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['cores_us']:.2f} | {r['tc_us']:.2f} | "
+            f"{r['bytes'] / r['tc_us'] / 1e3:.0f} | {100 * r['bytes'] / (r['tc_us'] * 1e-6) / bw:.1f} | "
+            f"{r['cores_us'] / r['tc_us']:.2f}x |")
+    log("\n## Llama-3-8B linears per decode step (ms), by rows (slots)")
+    log("| rows | CUDA cores ms | tensor cores ms | best-of ms | cores / 1 row | tc / 1 row | best / 1 row |")
+    log("|---|---|---|---|---|---|---|")
+    base = {}
+    for nb in args.rows:
+        tot = {k: sum(STACK[(r["out"], r["in"])] * (r[k] if k != "best" else min(r["best"][0], r["cores_us"]))
+                      for r in res if r["rows"] == nb) / 1e3 for k in ("cores_us", "tc_us", "best")}
+        base = base or tot
+        log(f"| {nb} | {tot['cores_us']:.3f} | {tot['tc_us']:.3f} | {tot['best']:.3f} | "
+            f"{tot['cores_us'] / base['cores_us']:.2f} | {tot['tc_us'] / base['cores_us']:.2f} | "
+            f"{tot['best'] / base['best']:.2f} |")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
