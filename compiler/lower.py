@@ -327,19 +327,26 @@ class _Qwen3Next(_Decoder):
         self.op("rmsnorm_gated", x=o, gate=z, out=o, weight=b + "ssm_norm", eps=self.eps, group=dv)
         self.project_out(o, b + "ssm_out", h)
 
+    def gated_qkv(self, b: str, x: str) -> tuple[str, str, str, str]:
+        """The gated attention's inputs (Qwen3-Next, qwen4_exp): q_proj's per-head [q | gate] split,
+        k and v, q and k normed per head. Returns (q, gate, k, v)."""
+        hd = self.head_dim
+        qg = self.linear(x, b + "attn_q", "q_gate")
+        q, gate = self.rows("q", self.heads * hd), self.rows("attn_gate", self.heads * hd)
+        self.op("split_groups", x=qg, out=q, rest=gate, groups=self.heads, widths=[hd, hd], split=1)
+        k = self.linear(x, b + "attn_k", "k")
+        v = self.linear(x, b + "attn_v", "v")
+        self.norm(q, b + "attn_q_norm", q, hd)
+        self.norm(k, b + "attn_k_norm", k, hd)
+        return q, gate, k, v
+
     def gated_attention(self, bid: int, h: str) -> None:
         """Qwen3NextAttention: q_proj gives each head's [q | gate]; q/k norms per head, partial rope,
         attention, output * sigmoid(gate), o_proj."""
-        b, hd = f"blk.{bid}.", self.head_dim
+        b = f"blk.{bid}."
         xn = self.rows("xn", self.hidden)
         self.norm(h, b + "attn_norm", xn, self.hidden)
-        qg = self.linear(xn, b + "attn_q", "q_gate")
-        q, gate = self.rows("q", self.heads * hd), self.rows("attn_gate", self.heads * hd)
-        self.op("split_groups", x=qg, out=q, rest=gate, groups=self.heads, widths=[hd, hd], split=1)
-        k = self.linear(xn, b + "attn_k", "k")
-        v = self.linear(xn, b + "attn_v", "v")
-        self.norm(q, b + "attn_q_norm", q, hd)
-        self.norm(k, b + "attn_k_norm", k, hd)
+        q, gate, k, v = self.gated_qkv(b, xn)
         att = self.attend(bid, q, k, v)
         self.op("sigmoid_mul", x=att, gate=gate, out=att)
         self.project_out(att, b + "attn_output", h)
@@ -479,13 +486,7 @@ class _Qwen4Exp(_Qwen3Next):
         o_proj's output."""
         b, hd = f"blk.{bid}.", self.head_dim
         Hi, Di = self.idx_heads, self.idx_dim
-        qg = self.linear(m, b + "attn_q", "q_gate")
-        q, gate = self.rows("q", self.heads * hd), self.rows("attn_gate", self.heads * hd)
-        self.op("split_groups", x=qg, out=q, rest=gate, groups=self.heads, widths=[hd, hd], split=1)
-        k = self.linear(m, b + "attn_k", "k")
-        v = self.linear(m, b + "attn_v", "v")
-        self.norm(q, b + "attn_q_norm", q, hd)
-        self.norm(k, b + "attn_k_norm", k, hd)
+        q, gate, k, v = self.gated_qkv(b, m)
         qk = self.linear(m, b + "idx_qk", "idx_qk")
         iq, ik = self.rows("idx_q", Hi * Di), self.rows("idx_k", Di)
         self.op("split_groups", x=qk, out=iq, rest=ik, groups=1, widths=[Hi * Di, Di], split=1)

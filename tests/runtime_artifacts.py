@@ -11,6 +11,8 @@ import pytest
 from bloomery.compiler.prepare import prepare
 from bloomery.tools import models
 
+from arrays import rel  # noqa: F401  (the runtime tests import it from here)
+
 _ROOT: list[Path] = []
 _CACHE: dict = {}
 # what prepare refuses (tests/test_prepare.py REFUSED): no artifact to run
@@ -37,10 +39,6 @@ def artifact(name: str, tp: int = 1) -> Path:
     return _CACHE[(name, tp)]
 
 
-def rel(a, b) -> float:
-    """||a - b|| / ||b|| in float64."""
-    import numpy as np
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
 
 
 def assert_engines_agree(cand, ref, n_ids: int = 40, steps: int = 16, band: float = 1e-3, seed: int = 1) -> None:

@@ -8,24 +8,11 @@ import numpy as np
 import pytest
 
 from bloomery.runtime.ops import IMPL
+from arrays import W, f32, rel
 
 torch = pytest.importorskip("torch")
 M = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 F = torch.nn.functional
-
-
-class W(dict):
-    """A rank's weights as the ops read them (CpuWeights' interface)."""
-    pre_quant: dict = {}
-
-
-def rel(got, want):
-    want = np.asarray(want, np.float64)
-    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1e-30)
-
-
-def f32(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bloomery.runtime.ops import IMPL
+from arrays import rel
 
 torch = pytest.importorskip("torch")
 G = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
@@ -26,11 +27,6 @@ class W:
 
     def __getitem__(self, k):
         return self.values[k]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def run(name, buf, values=None, pre_quant=None, /, **keys):

@@ -7,14 +7,10 @@ import numpy as np
 import pytest
 
 from bloomery.runtime.ops import IMPL
+from arrays import rel
 
 torch = pytest.importorskip("torch")
 q3n = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_rmsnorm_offset_is_qwen3_nexts_norm():

@@ -12,6 +12,7 @@ import pytest
 from bloomery.core import ngram
 from bloomery.runtime.ops import IMPL
 from bloomery.runtime.ops import qsa_index as QI
+from arrays import W, f32, rel
 
 torch = pytest.importorskip("torch")
 M = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
@@ -19,20 +20,6 @@ Qwen4ExpTextConfig = M.Qwen4ExpTextConfig
 
 TOL = 1e-5
 EOS = 2
-
-
-class W(dict):
-    """A rank's weights as the ops read them (CpuWeights' interface)."""
-    pre_quant: dict = {}
-
-
-def rel(got, want):
-    want = np.asarray(want, np.float64)
-    return np.linalg.norm(np.asarray(got, np.float64) - want) / max(np.linalg.norm(want), 1e-30)
-
-
-def f32(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from bloomery.runtime.ops import IMPL
+from arrays import f32
 
 
 @pytest.fixture
@@ -19,10 +20,6 @@ class W:
 
     def __getitem__(self, k):
         return self.values[k]
-
-
-def f32(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 def close(got, want, tol=1e-5):

@@ -335,6 +335,13 @@ def _linear(fmt: str, name: str, o: int, i: int) -> list:
     return [(f"{name}.weight", "F8_E4M3", (o, i)), (f"{name}.weight_scale", "U8", (o, i // 32))]
 
 
+def _gated_attention(fmt: str, a: str, s: dict, hd: int, h: int) -> list:
+    """Qwen3-Next's and qwen4_exp's gated attention: q_proj gives each head's [q | gate]; q/k norms."""
+    return (_linear(fmt, f"{a}.q_proj", 2 * s["heads"] * hd, h) + _linear(fmt, f"{a}.k_proj", s["kv"] * hd, h)
+            + _linear(fmt, f"{a}.v_proj", s["kv"] * hd, h) + _linear(fmt, f"{a}.o_proj", h, s["heads"] * hd)
+            + [(f"{a}.q_norm.weight", "BF16", (hd,)), (f"{a}.k_norm.weight", "BF16", (hd,))])
+
+
 def _mlp(fmt: str, p: str, inter: int, h: int) -> list:
     return (_linear(fmt, f"{p}.gate_proj", inter, h) + _linear(fmt, f"{p}.up_proj", inter, h)
             + _linear(fmt, f"{p}.down_proj", h, inter))
@@ -398,10 +405,7 @@ def _tensors_qwen3_next(s: dict, fmt: str) -> list:
             out += _linear(fmt, f"{a}.out_proj", h, vdim)
         else:
             a = f"{p}.self_attn"
-            out += _linear(fmt, f"{a}.q_proj", 2 * s["heads"] * hd, h)          # each head's [q | gate]
-            out += _linear(fmt, f"{a}.k_proj", s["kv"] * hd, h) + _linear(fmt, f"{a}.v_proj", s["kv"] * hd, h)
-            out += _linear(fmt, f"{a}.o_proj", h, s["heads"] * hd)
-            out += [(f"{a}.q_norm.weight", "BF16", (hd,)), (f"{a}.k_norm.weight", "BF16", (hd,))]
+            out += _gated_attention(fmt, a, s, hd, h)
         out.append((f"{p}.post_attention_layernorm.weight", "BF16", (h,)))
         if sparse(s, b):
             out.append((f"{p}.mlp.gate.weight", "BF16", (s["experts"], h)))
@@ -486,10 +490,7 @@ def _tensors_qwen4_exp(s: dict, fmt: str) -> list:
             out += _linear(fmt, f"{a}.out_proj", h, vdim)
         else:
             a = f"{p}.self_attn"
-            out += _linear(fmt, f"{a}.q_proj", 2 * s["heads"] * hd, h)          # each head's [q | gate]
-            out += _linear(fmt, f"{a}.k_proj", s["kv"] * hd, h) + _linear(fmt, f"{a}.v_proj", s["kv"] * hd, h)
-            out += _linear(fmt, f"{a}.o_proj", h, s["heads"] * hd)
-            out += [(f"{a}.q_norm.weight", "BF16", (hd,)), (f"{a}.k_norm.weight", "BF16", (hd,))]
+            out += _gated_attention(fmt, a, s, hd, h)
             out += _linear(fmt, f"{a}.indexer.index_qk_proj", (s["idx_heads"] + s["idx_kv"]) * s["idx_dim"], h)
             out += [(f"{a}.indexer.q_layernorm.weight", "BF16", (s["idx_dim"],)),
                     (f"{a}.indexer.k_layernorm.weight", "BF16", (s["idx_dim"],))]

@@ -51,7 +51,7 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
     smem = smem_bytes(G, D)
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem
-    part = pool("attention_decode.part", (max(1, rows * H * S * (D + 2) if S > 1 else 1),))
+    part = pool("attention_decode.part", (rows * H * S * (D + 2) if S > 1 else 1,))   # S == 1: unused
     sem = pool("attention_decode.sem", (rows * KV,), np.int32)
     args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
             np.float32(scale))
