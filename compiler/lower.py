@@ -105,14 +105,23 @@ class _Decoder:
         self.forward(tokens)
         body = self.ops
         programs = {}
-        for prog, rows in P.PROGRAMS.items():
+        for prog, rows in P.ALL_PROGRAMS.items():
             mode = {"mode": prog}
             programs[prog] = {"rows": rows, "ops": [{**o, **mode} if o["op"] in self.MODED else o for o in body]}
+        programs["verify"]["ops"] = [self.with_history(o) for o in programs["verify"]["ops"]]
         plan = {"version": P.VERSION, "family": self.family, "tp": self.tp, "rank": self.rank,
                 "model": {"vocab_size": self.vocab, "context_length": self.context},
                 "buffers": self.buffers, "programs": programs}
         P.validate(plan, f"lowered plan of rank {self.rank}")
         return plan
+
+    def with_history(self, op: dict) -> dict:
+        """A recurrent state op of the verify program also writes the slot's state after each row."""
+        if "history" not in P.OPS[op["op"]].opt_writes:
+            return op
+        name = op[P.OPS[op["op"]].state[0]]                  # the op's one state buffer
+        st = self.buffers[name]
+        return {**op, "history": self.buf(f"{name}.history", ["rows", *st["shape"][1:]], st["dtype"])}
 
     def forward(self, tokens: str) -> None:
         """Embedding, the layers on the residual h, the output norm and the head."""

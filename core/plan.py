@@ -8,12 +8,18 @@ A plan is one JSON object per rank, stored under metadata key `bloomery.plan`:
      "buffers": {name: {"shape": [int | symbol, ...], "dtype": "f32" | "i32",
                         "kind": "input" | "output" | "state" | "scratch"}},
      "programs": {"decode": {"rows": "slots", "ops": [op, ...]},
-                  "prefill": {"rows": "ubatch", "ops": [op, ...]}}}
+                  "prefill": {"rows": "ubatch", "ops": [op, ...]},
+                  "verify": {"rows": "verify", "ops": [op, ...]}}}      # optional (speculative decoding)
 
 An op is a flat object: {"op": name, <buffer keys>: buffer, <weight keys>: tensor, <attrs>}.
 OPS below names, per op, which keys are buffers read, buffers written, buffers read and
 written in place (state), weights (artifact tensor names) and attributes. Symbols in shapes:
-slots, ubatch, ctx (bound at load) and rows (the running program's row count).
+slots, ubatch, ctx, verify (bound at load) and rows (the running program's row count).
+
+The verify program (speculative decoding, docs/plan.md "Verify"): the decode op list over the
+rows of one slot at consecutive positions (a token and the drafts after it), each row computed
+as a one-row decode step computes it; the recurrent state ops also write `history`, the slot's
+state after each row, so that the state after the last accepted row can be kept.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from .errors import BloomeryError
 
 KEY = "bloomery.plan"
 VERSION = 1
-SYMBOLS = ("slots", "ubatch", "ctx", "rows")
+SYMBOLS = ("slots", "ubatch", "ctx", "verify", "rows")
 DTYPES = ("f32", "i32")
 KINDS = ("input", "output", "state", "scratch")
-PROGRAMS = {"decode": "slots", "prefill": "ubatch"}
+PROGRAMS = {"decode": "slots", "prefill": "ubatch"}           # every plan holds these
+OPTIONAL_PROGRAMS = {"verify": "verify"}                       # plans of this version hold it; older may not
+ALL_PROGRAMS = {**PROGRAMS, **OPTIONAL_PROGRAMS}
 
 
 class PlanInvalid(BloomeryError):
@@ -46,6 +54,7 @@ class OpSig:
     collective: bool = False
     opt_reads: tuple[str, ...] = ()      # buffers read when the key is present (attention's `select`)
     host: bool = False                   # runs on the host before the device step (the PLE gather)
+    opt_writes: tuple[str, ...] = ()     # buffers written when the key is present (a state's `history`)
 
 
 OPS: dict[str, OpSig] = {
@@ -71,10 +80,10 @@ OPS: dict[str, OpSig] = {
     "all_gather": OpSig(reads=("x",), writes=("out",), attrs=("sizes",), collective=True),
     # the gated delta net (Qwen3-Next's linear attention); states are per slot, like the KV cache
     "causal_conv1d": OpSig(reads=("x", "pos", "slot"), writes=("out",), state=("state",), weights=("weight",),
-                           attrs=("kernel",), optional=("dilation", "channels")),
+                           attrs=("kernel",), optional=("dilation", "channels"), opt_writes=("history",)),
     "gated_delta": OpSig(reads=("qkv", "a", "b", "pos", "slot"), writes=("out",), state=("state",),
                          weights=("A_log", "dt_bias"), attrs=("k_heads", "v_heads", "k_dim", "v_dim", "mode"),
-                         optional=("chunk",)),
+                         optional=("chunk",), opt_writes=("history",)),
     "rmsnorm_gated": OpSig(reads=("x", "gate"), writes=("out",), weights=("weight",), attrs=("eps", "group"),
                            optional=("act",)),
     # layout and gating helpers of the hybrid families
@@ -87,7 +96,8 @@ OPS: dict[str, OpSig] = {
     "act_scale": OpSig(reads=("x",), writes=("out",), attrs=("act", "scale"), optional=("mul",)),
     "hc_inject": OpSig(reads=("x", "y", "w"), writes=("out",), attrs=("n",)),
     "ngram_hash": OpSig(reads=("tokens", "pos", "slot"), writes=("ids",), state=("ctx",),
-                        attrs=("ngram_size", "heads_per_ngram", "eos", "multipliers", "sizes", "offsets"), host=True),
+                        attrs=("ngram_size", "heads_per_ngram", "eos", "multipliers", "sizes", "offsets"), host=True,
+                        opt_writes=("history",)),
     "host_embed": OpSig(reads=("ids",), writes=("out",), weights=("table",), attrs=("heads",), host=True),
     "ple_gate": OpSig(reads=("kn", "qn", "v"), writes=("out",), attrs=("n",)),
     "qsa_index": OpSig(reads=("q", "k", "pos", "slot"), writes=("sel",), state=("cache",), weights=("k_norm",),
@@ -100,7 +110,7 @@ OPS: dict[str, OpSig] = {
     "mhc_inject": OpSig(reads=("x", "y", "post", "comb"), writes=("out",), attrs=("n",)),
     "kda": OpSig(reads=("q", "k", "v", "g", "b", "pos", "slot"), writes=("out",), state=("state",),
                  weights=("A_log", "dt_bias"), attrs=("heads", "head_dim", "lower_bound", "mode"),
-                 optional=("chunk",)),
+                 optional=("chunk",), opt_writes=("history",)),
     "layernorm": OpSig(reads=("x",), writes=("out",), weights=("weight", "bias"), attrs=("eps", "group")),
     "dsa_index": OpSig(reads=("q", "k", "gs", "hw", "pos", "slot"), writes=("sel",), state=("cache",),
                        weights=("ape",), attrs=("heads", "head_dim", "topk", "kpool", "tail")),
@@ -125,7 +135,17 @@ def loads(text: str, where: str = "plan") -> dict:
 
 def buffers_of(op: dict) -> list[str]:
     sig = OPS[op["op"]]
-    return [op[k] for k in (*sig.reads, *(k for k in sig.opt_reads if k in op), *sig.state, *sig.writes)]
+    return [op[k] for k in (*sig.reads, *sig.opt_reads, *sig.state, *sig.writes, *sig.opt_writes) if k in op]
+
+
+def programs_of(plan: dict) -> dict[str, str]:
+    """The programs a plan holds (name -> its rows symbol): decode and prefill, and verify when present."""
+    return {p: r for p, r in ALL_PROGRAMS.items() if p in plan["programs"]}
+
+
+def buffers_used(plan: dict, prog: str) -> set[str]:
+    """The buffers a program's ops name (an executor allocates a program's scratch for these only)."""
+    return {b for op in plan["programs"][prog]["ops"] for b in buffers_of(op)}
 
 
 def validate(plan: dict, where: str = "plan") -> None:
@@ -151,8 +171,10 @@ def validate(plan: dict, where: str = "plan") -> None:
             if not (_count(d, 0) or (isinstance(d, str) and d in SYMBOLS)):
                 raise PlanInvalid(f"{where}: buffer {name!r} has shape entry {d!r} (an int >= 0 or one of {SYMBOLS})")
     progs = plan.get("programs")
-    for prog in PROGRAMS:
+    for prog in ALL_PROGRAMS:
         body = progs.get(prog) if isinstance(progs, dict) else None
+        if prog in OPTIONAL_PROGRAMS and body is None:
+            continue
         if not isinstance(body, dict) or not isinstance(body.get("ops"), list):
             raise PlanInvalid(f"{where}: program {prog!r} is missing (or has no list of ops)")
         for i, op in enumerate(body["ops"]):
@@ -165,10 +187,11 @@ def validate(plan: dict, where: str = "plan") -> None:
             need = (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.attrs)
             missing = [k for k in need if k not in op]
             extra = [k for k in op if k != "op" and k not in need and k not in sig.optional
-                     and k not in sig.opt_reads]
+                     and k not in sig.opt_reads and k not in sig.opt_writes]
             if missing or extra:
                 raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
-            names = [op[k] for k in (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.opt_reads) if k in op]
+            names = [op[k] for k in (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.opt_reads,
+                                     *sig.opt_writes) if k in op]
             if not all(isinstance(n, str) for n in names):
                 raise PlanInvalid(f"{at}: a buffer or weight name is not a string: {names}")
             for b in buffers_of(op):
@@ -189,7 +212,7 @@ def shape(buf: dict, symbols: dict[str, int]) -> tuple[int, ...]:
 def weights_of(plan: dict) -> list[str]:
     """Every artifact tensor the plan reads, in first-use order."""
     seen: dict[str, None] = {}
-    for prog in PROGRAMS:
+    for prog in programs_of(plan):
         for op in plan["programs"][prog]["ops"]:
             for k in OPS[op["op"]].weights:
                 seen.setdefault(op[k], None)

@@ -66,8 +66,10 @@ def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int]) -> dict
     bufs = 0
     for prog, rows in P.PROGRAMS.items():
         bind = {**symbols, "rows": symbols[rows]}
+        used = P.buffers_used(plan, prog)
         bufs += sum(int(np.prod(P.shape(b, bind))) for n, b in plan["buffers"].items()
-                    if (b["kind"] != "state" or prog == "decode") and n not in host_state)
+                    if (b["kind"] == "output" or (b["kind"] == "state" and prog == "decode")
+                        or (b["kind"] in ("input", "scratch") and n in used)) and n not in host_state)
     return {"weights": weights, "buffers": bufs * BUFFER_ITEMSIZE}
 
 

@@ -6,6 +6,7 @@
     logits, next_ids = eng.decode([tok])       # one row per slot
     eng.reset()
     snap = eng.snapshot(s); eng.rewind(s, n, snap)   # a slot back to its first n tokens (prompt reuse)
+    logits, nxt = eng.verify([tok, *drafts]); eng.accept(n)  # speculative decoding (runtime/draft.py)
 
 The runtime's only way into the artifact is the artifact reader; the plan says everything
 model-specific, so this file knows no model family.
@@ -23,12 +24,13 @@ from bloomery.core.artifact import Artifact
 
 from . import blas
 from . import device as devices
-from .errors import DeviceUnavailable, NoPlan, PlanMismatch, PromptTooLong, TokenOutOfVocab
+from .errors import DeviceUnavailable, NoPlan, NoVerifyProgram, PlanMismatch, PromptTooLong, TokenOutOfVocab
 from .numpy_executor import NumpyExecutor
 from .weights import CpuWeights
 
 DEFAULT_CTX = 4096
 DEFAULT_UBATCH = 64
+DEFAULT_DRAFT_MAX = 4          # drafted tokens a verify step takes at most (--draft-max)
 
 
 def read_plans(art: Artifact) -> list[dict]:
@@ -44,7 +46,8 @@ def read_plans(art: Artifact) -> list[dict]:
 
 class Engine:
     def __init__(self, artifact, *, device: str = "cpu", ctx: int | None = None, slots: int = 1,
-                 ubatch: int = DEFAULT_UBATCH, threads: int | None = 1, check: bool = False):
+                 ubatch: int = DEFAULT_UBATCH, threads: int | None = 1, check: bool = False,
+                 draft_max: int = DEFAULT_DRAFT_MAX):
         self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact), check=check)
         self.device = devices.resolve(device)
         if self.device == "cuda" and self.art.tp > 1:       # one process per rank, rank r on GPU r
@@ -71,6 +74,10 @@ class Engine:
             raise ValueError(f"ctx {self.ctx}, slots {slots} and ubatch {ubatch} must be positive")
         self.slots, self.ubatch = slots, ubatch
         symbols = {"slots": slots, "ubatch": ubatch, "ctx": self.ctx}
+        # the verify program (speculative decoding): on the NumPy executor, for plans that hold it
+        self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and self.device == "cpu" else 0
+        if self.draft_max:
+            symbols["verify"] = self.draft_max + 1
         if self.device == "cuda":
             self.weights = None
             self._check_formats()
@@ -197,6 +204,49 @@ class Engine:
         if last_only:
             return out[-1][-1]
         return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
+
+    def verify(self, tokens: Sequence[int], slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """One verify pass (speculative decoding): tokens (the slot's next token, then drafted ones)
+        at the slot's next positions, each row computed as a one-row decode step would compute it.
+        Returns the logits [n, vocab] and greedy next ids [n] of the rows; the slot's length is not
+        advanced: accept(k) keeps the first k rows (KV rows past them are never read; the recurrent
+        states go back to the k-th row's)."""
+        if not self.draft_max:
+            raise NoVerifyProgram(self._no_verify_why())
+        a = self.check_ids(tokens)
+        n, L = a.size, int(self.lengths[slot])
+        if not 1 <= n <= self.draft_max + 1:
+            raise ValueError(f"a verify pass takes 1 to {self.draft_max + 1} tokens (--draft-max {self.draft_max}), "
+                             f"got {n}")
+        if L + n > self.ctx:
+            raise PromptTooLong(f"slot {slot}: {n} verified tokens after {L} do not fit the context of {self.ctx} "
+                                f"(--ctx-size)")
+        R = self.draft_max + 1
+        tok = np.zeros(R, np.int32)
+        tok[:n] = a
+        pos = np.full(R, -1, np.int32)
+        pos[:n] = np.arange(L, L + n)
+        res = self._run("verify", {"tokens": tok, "positions": pos, "slot_ids": np.full(R, slot, np.int32)},
+                        ("logits", "next_token"), rows=(0, n))
+        self._verified = (slot, n)
+        return res["logits"].copy(), res["next_token"].astype(np.int64)
+
+    def accept(self, keep: int, slot: int = 0) -> None:
+        """After verify(): the slot keeps the first `keep` verified tokens (1..n)."""
+        vslot, n = getattr(self, "_verified", (None, 0))
+        if vslot != slot or not 1 <= keep <= n:
+            raise ValueError(f"accept({keep}) of slot {slot} after a verify pass of {n} rows of slot {vslot}")
+        if keep < n:
+            self.exec.keep(slot, keep - 1)
+        self.lengths[slot] += keep
+        self._verified = (None, 0)
+
+    def _no_verify_why(self) -> str:
+        if "verify" not in self.plans[0]["programs"]:
+            return (f"{self.art.path}: its plan holds no verify program (prepared by an older bloomery); "
+                    f"re-prepare it for speculative decoding (--draft)")
+        return (f"{self.art.path}: the verify step runs on the NumPy executor only in this version (--device cpu); "
+                f"the CUDA executor decodes without a draft (--draft off)")
 
     def _run(self, prog: str, inputs: dict, want: tuple, rows: tuple | None = None):
         """The executor's run; the CUDA executors copy back only the outputs in `want`, and with

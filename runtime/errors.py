@@ -29,3 +29,11 @@ class DeviceUnavailable(RuntimeRefusal):
 
 class InsufficientDeviceMemory(RuntimeRefusal):
     """The model's weights and buffers do not fit the GPU's free memory (refused before the upload)."""
+
+
+class NoVerifyProgram(RuntimeRefusal):
+    """Speculative decoding asked of an artifact or executor without the verify step."""
+
+
+class NoDraft(RuntimeRefusal):
+    """A draft asked of an artifact that cannot give it (--draft mtp without MTP tensors), or with sampling."""

@@ -2,8 +2,14 @@
 tensor-parallel ranks in one process; a collective combines the ranks' buffers).
 
 Buffers are allocated once at load with the plan's static shapes: `state` buffers (the KV
-cache) are shared by both programs, every other buffer belongs to one program, with `rows`
-bound to that program's row count (decode: slots, prefill: ubatch)."""
+cache) are shared by the programs, every other buffer belongs to one program (the ones its ops
+name), with `rows` bound to that program's row count (decode: slots, prefill: ubatch, verify:
+the drafts plus one).
+
+The verify program runs row by row: each op once per active row, on one-row views of its
+buffers, so that every row is computed exactly as a one-row decode step computes it (the same
+arrays' shapes, the same BLAS calls): the logits of a verified row equal plain decoding's bit
+for bit, and greedy output with a draft is plain greedy output by construction."""
 
 from __future__ import annotations
 
@@ -26,16 +32,25 @@ class NumpyExecutor:
         self.buffers: dict[str, list[dict]] = {}
         self.steps: dict[str, list] = {}
         self.where: dict[str, list] = {}     # per step: (op index, op name)
-        for prog, rows_sym in P.PROGRAMS.items():
+        self.row_steps: list[list] = []      # the verify program's steps on each row's views
+        progs = {p: r for p, r in P.programs_of(plans[0]).items() if r in symbols}
+        for prog, rows_sym in progs.items():
             bind = {**symbols, "rows": symbols[rows_sym]}
+            used = P.buffers_used(plans[0], prog) | {n for n, b in plans[0]["buffers"].items()
+                                                     if b["kind"] in ("input", "output")}
             self.buffers[prog] = [{**st, **{n: np.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
-                                            for n, b in p["buffers"].items() if b["kind"] != "state"}}
+                                            for n, b in p["buffers"].items() if b["kind"] != "state" and n in used}}
                                   for p, st in zip(plans, state)]
-            self.steps[prog], self.where[prog] = self._bind(prog)
+            self.steps[prog], self.where[prog] = self._bind(prog, self.buffers[prog])
+        if "verify" in self.buffers:
+            rowed = {n for n, b in plans[0]["buffers"].items() if b["shape"][:1] == ["rows"]}
+            for r in range(symbols["verify"]):
+                views = [{n: (a[r:r + 1] if n in rowed else a) for n, a in bufs.items()}
+                         for bufs in self.buffers["verify"]]
+                self.row_steps.append(self._bind("verify", views)[0])
         self.state = state
 
-    def _bind(self, prog: str) -> tuple[list, list]:
-        bufs = self.buffers[prog]
+    def _bind(self, prog: str, bufs: list[dict]) -> tuple[list, list]:
         ops = [p["programs"][prog]["ops"] for p in self.plans]
         steps, where = [], []
         for i, op0 in enumerate(ops[0]):
@@ -50,23 +65,39 @@ class NumpyExecutor:
         return steps, where
 
     def rows(self, prog: str) -> int:
-        return self.symbols[P.PROGRAMS[prog]]
+        return self.symbols[P.ALL_PROGRAMS[prog]]
 
     def run(self, prog: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Sets the input buffers (the same on every rank), runs the program, returns rank 0's outputs
-        (the ranks' outputs are equal: the logits are gathered, argmax runs on every rank)."""
+        (the ranks' outputs are equal: the logits are gathered, argmax runs on every rank). The
+        verify program runs row by row over its active rows (module docstring); its other rows'
+        outputs are left as they were."""
         bufs = self.buffers[prog]
         for b in bufs:
             for n, v in inputs.items():
                 b[n][...] = v
-        for k, (fn, *args) in enumerate(self.steps[prog]):
+        if prog == "verify":
+            live = np.nonzero(np.asarray(inputs["positions"]) >= 0)[0]
+            rowed = [[steps[k] for steps in (self.row_steps[r] for r in live)] for k in range(len(self.steps[prog]))]
+        else:
+            rowed = [[step] for step in self.steps[prog]]
+        for k, calls in enumerate(rowed):
             try:
-                fn(*args)
+                for fn, *args in calls:
+                    fn(*args)
             except (ValueError, IndexError, TypeError, KeyError, ArithmeticError) as e:
                 i, name = self.where[prog][k]
                 raise P.PlanInvalid(f"{prog} op {i} ({name}): {type(e).__name__}: {e}; the plan's attributes do not "
                                     f"fit its buffers and weights: re-prepare the artifact") from None
         return {n: bufs[0][n] for n, b in self.plans[0]["buffers"].items() if b["kind"] == "output"}
+
+    def keep(self, slot: int, row: int) -> None:
+        """After a verify run: the recurrent states of `slot` as they were after verify row `row`
+        (the last accepted one), from the history the state ops wrote."""
+        for p, bufs, st in zip(self.plans, self.buffers["verify"], self.state):
+            for op in p["programs"]["verify"]["ops"]:
+                if "history" in op:
+                    st[op[P.OPS[op["op"]].state[0]]][slot] = bufs[op["history"]][row]
 
     def reset(self, slot: int | None = None) -> None:
         """Clears the state buffers (of one slot: their first axis)."""
@@ -89,7 +120,9 @@ class NumpyExecutor:
 
 def _check_lockstep(plans: list[dict]) -> None:
     """The ranks' programs must hold the same ops in the same order, collectives identical."""
-    for prog in P.PROGRAMS:
+    for prog in P.programs_of(plans[0]):
+        if any(prog not in p["programs"] for p in plans):
+            raise PlanMismatch(f"the ranks' plans do not all hold the {prog} program")
         ops = [p["programs"][prog]["ops"] for p in plans]
         if len({len(o) for o in ops}) > 1:
             raise PlanMismatch(f"{prog}: the ranks' plans hold {[len(o) for o in ops]} ops")

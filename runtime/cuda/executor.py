@@ -298,8 +298,9 @@ class CudaExecutor:
             host_in = np.frombuffer(host_mem, np.int32, len(names_in) * rows).reshape(len(names_in), rows)
             for i, n in enumerate(names_in):
                 bufs[n] = dev_in[i * rows:(i + 1) * rows]
+            used = P.buffers_used(self.plan, prog)          # not the verify program's state histories
             for n, b in shapes.items():
-                if b["kind"] not in ("state", "input"):
+                if b["kind"] == "output" or (b["kind"] == "scratch" and n in used):
                     bufs[n] = cp.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
             self.buffers[prog] = bufs
             self.inputs[prog] = (dev_in, host_mem, host_in, {n: i for i, n in enumerate(names_in)})

@@ -18,7 +18,8 @@ cross-correlating F.conv1d with (kernel-1)*dilation zeros of left padding). Rows
 order, each one continuing its slot's sequence; a row whose position is 0 starts a new sequence
 (the window before it is zeros: the state is reset); a row with a negative position is inactive
 (output zeros, no state change). After the op, state[s] holds the slot's last
-(kernel-1)*dilation inputs.
+(kernel-1)*dilation inputs. Optional write `history` f32 [rows, (kernel-1)*dilation, C] (the
+verify program): history[r] = the window of row r's slot after row r.
 """
 
 import numpy as np
@@ -60,6 +61,9 @@ def run(op, buf, w):
             acc += u[j * dil:j * dil + n] * wt[:, j]
         y[r] = silu(acc)
         final[s] = u[u.shape[0] - W:]
+        if "history" in op:
+            for i, row in enumerate(r):
+                buf[op["history"]][row] = u[i + 1:i + 1 + W]
     for s, win in final.items():
         state[s] = win
     out[...] = y

@@ -21,7 +21,9 @@ one (S = 0 before it: the state is reset); a row with a negative position is ina
 zeros, no state change). Both forms accept any rows and agree to float32 rounding: "decode"
 steps the recurrence one row at a time (vectorized over the runs of different slots), "prefill"
 takes each run of a slot's rows in blocks of `chunk` tokens (HF's chunkwise WY / UT form: a unit
-lower-triangular solve per block, then one state update per block).
+lower-triangular solve per block, then one state update per block). Optional write `history`
+f32 [rows, v_heads, k_dim, v_dim] (the verify program, recurrent form only): history[r] = the
+state of row r's slot after row r.
 """
 
 import numpy as np
@@ -99,6 +101,9 @@ def drive(op, buf, w, prepare, chunked, recurrent, heads: int, k_dim: int, v_dim
     segs = runs(pos, slot)
     res = np.zeros(out.shape, np.float32)
     final = {}
+    hist = buf[op["history"]] if "history" in op else None
+    if hist is not None and op["mode"] == "prefill":
+        raise ValueError("a delta rule writes its state history in the recurrent form only (mode decode or verify)")
     if segs:
         rows = np.concatenate([r for _, r, _ in segs])
         q, k, v, g, beta = prepare(op, buf, w, rows)
@@ -119,6 +124,8 @@ def drive(op, buf, w, prepare, chunked, recurrent, heads: int, k_dim: int, v_dim
                 i = start[live] + t
                 S[live], o = recurrent(S[live], q[i], k[i], v[i], g[i], beta[i])
                 res[rows[i]] = o.reshape(live.size, heads * v_dim)
+                if hist is not None:
+                    hist[rows[i]] = S[live]
             for j, (s, _, _) in enumerate(segs):
                 final[s] = S[j]
     for s, S in final.items():                                           # the slot's last run

@@ -20,6 +20,8 @@ in 64-bit integers, as torch's int64 (wrapping multiply, floor remainder; with t
 vocab size no product overflows). Rows are taken in order, each continuing its slot's sequence;
 a row at position 0 starts a new one (context all EOS). An EOS inside a sequence only cuts the
 n-grams, as in HF. A row with a negative position is inactive: ids -1, no state change.
+Optional write `history` i32 [rows, ngram_size-1] (the verify program): the context of row r's
+slot after row r.
 """
 
 import numpy as np
@@ -54,6 +56,9 @@ def run(op, buf, w):
             h = slice((o - 2) * hpn, (o - 1) * hpn)
             res[r, h] = np.remainder(x[:, None], size[h]) + off[h]
         final[s] = hist[hist.size - (N - 1):]
+        if "history" in op:
+            for i, row in enumerate(r):
+                buf[op["history"]][row] = hist[i + 1:i + N]
     for s, c in final.items():
         ctx[s] = c
     ids[...] = res
