@@ -53,6 +53,8 @@ def test_layout_names():
             f"tiny-{fam}/{fmt}" for fmt in ("bf16", "nvfp4", "fp8", "mxfp8", "mixed_nvfp4_mxfp8")}
     for fam in ("llama3-rope", "qwen3", "qwen2"):
         assert {n for n in names if n.startswith(f"tiny-{fam}/")} == {f"tiny-{fam}/{fmt}" for fmt in ("bf16", "nvfp4", "fp8")}
+    for fam in ("qwen3_next", "glm4_moe"):            # with the MTP / NextN layer (tests/test_mtp_checkpoints.py)
+        assert {n for n in names if n.startswith(f"tiny-{fam}-mtp/")} == {f"tiny-{fam}-mtp/{f}" for f in ("bf16", "nvfp4")}
     assert all(s.fmt in EXPECTED_ALGO for s in M.SPECS.values())
 
 
@@ -72,7 +74,8 @@ def test_select():
     assert {s.fmt for s in M.select(["smollm2-135m"])} == {"bf16", "nvfp4", "fp8", "mxfp8", "nvfp4_awq"}
     assert {s.family for s in M.select(["*/nvfp4"])} == {
         "smollm2-135m", "tiny-llama", "tiny-qwen3_moe", "tiny-qwen3_next", "tiny-glm4_moe",
-        "tiny-qwen4_exp", "tiny-glm5_next", "tiny-llama3-rope", "tiny-qwen3", "tiny-qwen2"}
+        "tiny-qwen4_exp", "tiny-glm5_next", "tiny-llama3-rope", "tiny-qwen3", "tiny-qwen2",
+        "tiny-qwen3_next-mtp", "tiny-glm4_moe-mtp"}
     assert "smollm2-135m/nvfp4_awq" not in {s.name for s in M.select(None, ["*/nvfp4_awq"])}
     with pytest.raises(SystemExit):
         M.select(["nope"])

