@@ -44,6 +44,7 @@ def plan_metadata(rank_plans) -> None:
 class _Decoder:
     MODED = ("attention", "gated_delta", "kda", "mla_attention")   # ops whose `mode` attr is the program's
     norm_attrs: dict = {}                    # extra attrs of the family's output norm (Qwen3-Next: offset)
+    final_norm: str | None = None            # the buffer of the output norm's result (forward sets it)
 
     def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
         self.md, self.t = md, tensors
@@ -105,15 +106,56 @@ class _Decoder:
         self.forward(tokens)
         body = self.ops
         programs = {}
-        for prog, rows in P.ALL_PROGRAMS.items():
+        for prog, rows in {**P.PROGRAMS, "verify": "verify"}.items():        # the mtp program: mtp()
             mode = {"mode": prog}
             programs[prog] = {"rows": rows, "ops": [{**o, **mode} if o["op"] in self.MODED else o for o in body]}
         programs["verify"]["ops"] = [self.with_history(o) for o in programs["verify"]["ops"]]
+        mtp = self.mtp(self.final_norm)
+        if mtp is not None:
+            programs["mtp"] = mtp
         plan = {"version": P.VERSION, "family": self.family, "tp": self.tp, "rank": self.rank,
                 "model": {"vocab_size": self.vocab, "context_length": self.context},
                 "buffers": self.buffers, "programs": programs}
         P.validate(plan, f"lowered plan of rank {self.rank}")
         return plan
+
+    def pre(self, bid) -> str:
+        """A layer's tensor prefix: blk.{bid}., or the MTP layer's (a name: Qwen3-Next's mtp.blk.0.)."""
+        return f"blk.{bid}." if isinstance(bid, int) else f"{bid}."
+
+    # -- the MTP / NextN layer (the mtp program: speculative decoding's draft) -----------------------
+    mtp_names: dict | None = None            # the family's: layer (its bid), eh_proj, enorm, hnorm, norm
+
+    def mtp(self, hidden: str) -> dict | None:
+        """The mtp program where the rank holds an MTP layer (transformers 5.24's MtpLayer / MtpModel,
+        the drafter of generate(..., use_mtp=True)): a row at position p takes the embedding of
+        token x_{p+1} (`tokens`) and the main model's final-norm output at p (input `hidden`),
+        eh_proj([enorm(e) | hnorm(h)]), one decoder layer at position p (rope and its own KV cache:
+        the main row's position, as the oracle, tools/oracle.py mtp_logits, computes), the post
+        norm (its output `mtp_hidden`, what a chained step feeds back), the main model's head and
+        argmax: the draft of x_{p+2}. `hidden` names the main programs' buffer that
+        holds the final-norm output when they end."""
+        names = self.mtp_names
+        if not names or names["eh_proj"] not in self.t:
+            return None
+        main, self.ops = self.ops, []
+        D = self.hidden
+        hid = self.buf("hidden", ["rows", D], kind="input")
+        e = self.rows("mtp_embd", D)
+        self.op("embed", ids="tokens", weight="token_embd", out=e)
+        en, hn = self.rows("mtp_en", D), self.rows("mtp_hn", D)
+        self.op("rmsnorm", x=e, weight=names["enorm"], out=en, eps=self.eps, group=D, **self.norm_attrs)
+        self.op("rmsnorm", x=hid, weight=names["hnorm"], out=hn, eps=self.eps, group=D, **self.norm_attrs)
+        eh = self.rows("mtp_eh", 2 * D)
+        self.op("concat", a=en, b=hn, out=eh)
+        h = self.linear(eh, names["eh_proj"], "mtp_h")
+        self.layer(names["layer"], h)
+        xn = self.buf("mtp_hidden", ["rows", D], kind="output")
+        self.op("rmsnorm", x=h, weight=names["norm"], out=xn, eps=self.eps, group=D, **self.norm_attrs)
+        self.head(xn)
+        ops, self.ops = self.ops, main
+        return {"rows": "ubatch", "hidden": hidden, "ops": [{**o, "mode": "mtp"} if o["op"] in self.MODED else o
+                                                             for o in ops]}
 
     def with_history(self, op: dict) -> dict:
         """A recurrent state op of the verify program also writes the slot's state after each row."""
@@ -131,6 +173,7 @@ class _Decoder:
             self.layer(bid, h)
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight="output_norm", out=xn, eps=self.eps, group=self.hidden, **self.norm_attrs)
+        self.final_norm = xn
         self.head(xn)
 
     def streams(self, tokens: str, n: int) -> str:
@@ -146,7 +189,7 @@ class _Decoder:
         self.ffn(bid, h)
 
     def attention(self, bid: int, h: str) -> None:
-        b, hd = f"blk.{bid}.", self.head_dim
+        b, hd = self.pre(bid), self.head_dim
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight=b + "attn_norm", out=xn, eps=self.eps, group=self.hidden)
         q = self.linear(xn, b + "attn_q", "q")
@@ -192,7 +235,7 @@ class _Decoder:
         self.op("add", a=h, b=x, out=h)
 
     def ffn(self, bid: int, h: str) -> None:
-        b = f"blk.{bid}."
+        b = self.pre(bid)
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight=b + "ffn_norm", out=xn, eps=self.eps, group=self.hidden)
         if b + "ffn_gate_inp" in self.t:
@@ -236,12 +279,12 @@ class _Decoder:
             local = extra["rows"][1] - start
         else:
             local = int(self.t[weight].shape[0])
-        self.op("logits", x=xn, weight=weight, out=self.rows(out, local), vocab=local, **extra)
+        kind = "output" if self.tp == 1 else "scratch"
+        self.op("logits", x=xn, weight=weight, out=self.buf(out, ["rows", local], kind=kind), vocab=local, **extra)
         if self.tp > 1:
             sizes = self._vocab_sizes(tied)
-            self.op("all_gather", x=out, out=self.rows("logits", self.vocab), sizes=sizes)
+            self.op("all_gather", x=out, out=self.buf("logits", ["rows", self.vocab], kind="output"), sizes=sizes)
         nt = self.buf("next_token", ["rows"], "i32", "output")
-        self.buffers["logits"]["kind"] = "output"
         self.op("argmax", x="logits", out=nt)
 
     def _vocab_sizes(self, tied: bool) -> list[int]:
@@ -256,17 +299,21 @@ class _Glm4Moe(_Decoder):
     `post_attention_norm`; the first leading_dense_block_count layers are a dense SwiGLU, the
     others routed experts under moe_router_grouped plus the shared experts, whose output is added
     to the routed one before the residual (one all_reduce for both partial sums at tp > 1). The
-    NextN layers (blk.{block_count - nextn_predict_layers}...) are in the artifact, not in the plan."""
+    first NextN layer (blk.{L}, L = block_count - nextn_predict_layers, with blk.{L}.nextn.*) is the
+    mtp program; further ones are in the artifact, read by no op."""
 
     def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
         super().__init__(md, tensors)
         g = lambda k: md[f"{md['general.architecture']}.{k}"]
         self.layers -= int(g("nextn_predict_layers"))
+        b = f"blk.{self.layers}.nextn."
+        self.mtp_names = {"layer": self.layers, "eh_proj": b + "eh_proj", "enorm": b + "enorm", "hnorm": b + "hnorm",
+                          "norm": b + "shared_head_norm"}
         self.n_group, self.topk_group = int(g("expert_group_count")), int(g("expert_group_used_count"))
         self.scale = float(g("expert_weights_scale"))
 
     def ffn(self, bid: int, h: str) -> None:
-        b = f"blk.{bid}."
+        b = self.pre(bid)
         xn = self.rows("xn", self.hidden)
         self.op("rmsnorm", x=h, weight=b + "post_attention_norm", out=xn, eps=self.eps, group=self.hidden)
         if b + "ffn_gate_inp" not in self.t:          # a leading dense layer
@@ -286,10 +333,14 @@ class _Qwen3Next(_Decoder):
     RMSNorms multiply by 1 + weight (offset 1.0), all but the gated norm after the delta rule. At
     tp > 1 a rank holds whole key-head groups of each delta net (their in_proj_qkvz and in_proj_ba
     rows, conv channels, A_log, dt_bias and states) and whole KV head groups of the attention;
-    out_proj, o_proj and the FFN's down projections are row-cut and all-reduced. The mtp.*
-    tensors are in the artifact, read by no op yet."""
+    out_proj, o_proj and the FFN's down projections are row-cut and all-reduced. The mtp.* layer
+    is the mtp program (_Decoder.mtp)."""
 
     norm_attrs = {"offset": 1.0}
+    # the MTP layer (vLLM's qwen3_next_mtp; transformers' MtpModel over the "Mellum" names: mtp.fc,
+    # mtp.pre_fc_norm_embedding / _hidden, mtp.norm), its norms 1 + weight as the model's
+    mtp_names = {"layer": "mtp.blk.0", "eh_proj": "mtp.nextn.eh_proj", "enorm": "mtp.nextn.enorm",
+                 "hnorm": "mtp.nextn.hnorm", "norm": "mtp.nextn.shared_head_norm"}
 
     def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
         super().__init__(md, tensors)
@@ -305,7 +356,7 @@ class _Qwen3Next(_Decoder):
         self.op("rmsnorm", x=x, weight=weight, out=out, eps=self.eps, group=group, **self.norm_attrs)
 
     def layer(self, bid: int, h: str) -> None:
-        if f"blk.{bid}.ssm_in" in self.t:
+        if self.pre(bid) + "ssm_in" in self.t:
             self.delta_net(bid, h)
         else:
             self.gated_attention(bid, h)
@@ -352,7 +403,7 @@ class _Qwen3Next(_Decoder):
     def gated_attention(self, bid: int, h: str) -> None:
         """Qwen3NextAttention: q_proj gives each head's [q | gate]; q/k norms per head, partial rope,
         attention, output * sigmoid(gate), o_proj."""
-        b = f"blk.{bid}."
+        b = self.pre(bid)
         xn = self.rows("xn", self.hidden)
         self.norm(h, b + "attn_norm", xn, self.hidden)
         q, gate, k, v = self.gated_qkv(b, xn)
@@ -363,7 +414,7 @@ class _Qwen3Next(_Decoder):
     def moe_ffn(self, bid: int, h: str) -> None:
         """Qwen3NextSparseMoeBlock: experts(x) + sigmoid(shared_expert_gate x) * shared_expert(x),
         one all-reduce for both partial sums (the gate is replicated); or Qwen3NextMLP."""
-        b = f"blk.{bid}."
+        b = self.pre(bid)
         xn = self.rows("xn", self.hidden)
         self.norm(h, b + "post_attention_norm", xn, self.hidden)
         if b + "ffn_gate_inp" in self.t:
@@ -388,6 +439,8 @@ class _Qwen4Exp(_Qwen3Next):
     attention over the keys the QSA indexer selects; the experts plus the sigmoid-gated shared
     expert. The final mixer's m feeds the head (no final norm). The PLE's n-gram ids and table
     rows are host ops: computed from the token ids before the device step."""
+
+    mtp_names = None                         # no MTP layer is lowered for the flagships
 
     def __init__(self, md: Mapping[str, Any], tensors: Mapping[str, Any]):
         super().__init__(md, tensors)

@@ -9,7 +9,8 @@ A plan is one JSON object per rank, stored under metadata key `bloomery.plan`:
                         "kind": "input" | "output" | "state" | "scratch"}},
      "programs": {"decode": {"rows": "slots", "ops": [op, ...]},
                   "prefill": {"rows": "ubatch", "ops": [op, ...]},
-                  "verify": {"rows": "verify", "ops": [op, ...]}}}      # optional (speculative decoding)
+                  "verify": {"rows": "verify", "ops": [op, ...]},       # optional (speculative decoding)
+                  "mtp": {"rows": "ubatch", "hidden": buffer, "ops": [op, ...]}}}   # optional (MTP draft)
 
 An op is a flat object: {"op": name, <buffer keys>: buffer, <weight keys>: tensor, <attrs>}.
 OPS below names, per op, which keys are buffers read, buffers written, buffers read and
@@ -35,7 +36,8 @@ SYMBOLS = ("slots", "ubatch", "ctx", "verify", "rows")
 DTYPES = ("f32", "i32")
 KINDS = ("input", "output", "state", "scratch")
 PROGRAMS = {"decode": "slots", "prefill": "ubatch"}           # every plan holds these
-OPTIONAL_PROGRAMS = {"verify": "verify"}                       # plans of this version hold it; older may not
+# verify: plans of this version hold it, older may not; mtp: where the model has an MTP / NextN layer
+OPTIONAL_PROGRAMS = {"verify": "verify", "mtp": "ubatch"}
 ALL_PROGRAMS = {**PROGRAMS, **OPTIONAL_PROGRAMS}
 
 
@@ -68,6 +70,7 @@ OPS: dict[str, OpSig] = {
                        attrs=("heads", "kv_heads", "head_dim", "scale", "mode"), opt_reads=("select",)),
     "swiglu": OpSig(reads=("gate", "up"), writes=("out",), optional=("limit",)),
     "add": OpSig(reads=("a", "b"), writes=("out",)),
+    "concat": OpSig(reads=("a", "b"), writes=("out",)),             # [a | b] along the last axis (the MTP's eh input)
     "moe_router": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight",), attrs=("top_k", "norm")),
     # GLM-4.5's sigmoid router: correction bias for the choice, group-limited top-k, scaled weights
     "moe_router_grouped": OpSig(reads=("x",), writes=("ids", "weights"), weights=("weight", "bias"),
@@ -175,6 +178,9 @@ def validate(plan: dict, where: str = "plan") -> None:
         body = progs.get(prog) if isinstance(progs, dict) else None
         if prog in OPTIONAL_PROGRAMS and body is None:
             continue
+        if prog == "mtp" and (not isinstance(body, dict) or body.get("hidden") not in bufs):
+            raise PlanInvalid(f"{where}: program 'mtp' names no declared \"hidden\" buffer (the main programs' "
+                              f"final-norm output it drafts from); re-prepare the artifact")
         if not isinstance(body, dict) or not isinstance(body.get("ops"), list):
             raise PlanInvalid(f"{where}: program {prog!r} is missing (or has no list of ops)")
         for i, op in enumerate(body["ops"]):

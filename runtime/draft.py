@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 from .errors import NoDraft
 
 DRAFTS = ("auto", "off", "ngram", "mtp")
@@ -35,8 +37,9 @@ def choose(eng, draft: str, temperature: float) -> tuple[str, str]:
         if not has_mtp(eng.art):
             raise NoDraft(f"{eng.art.path} holds no MTP / NextN layer (no mtp.* or blk.N.nextn.* tensors): "
                           f"--draft mtp needs a checkpoint that ships one (Qwen3-Next, GLM-4.5); use --draft ngram")
-        raise NoDraft(f"{eng.art.path}: its MTP layer travels in the artifact, but this version does not run it "
-                      f"yet; use --draft ngram")
+        if "mtp" not in eng.plans[0]["programs"]:
+            raise NoDraft(f"{eng.art.path}: its plan holds no mtp program (prepared by an older bloomery, or a "
+                          f"family whose MTP layer is not lowered yet); re-prepare it, or use --draft ngram")
     if draft != "auto":
         return draft, "as asked"
     if temperature > 0:
@@ -77,3 +80,40 @@ class NgramDraft:
             if e is not None:
                 return s[e:e + k]
         return []
+
+
+class MtpDraft:
+    """The checkpoint's own MTP / NextN layer (the plan's mtp program) as the draft. After each pass
+    of the main model it runs the layer over the rows kept (each row's next token, at the row's
+    position, with the row's final-norm hidden state: this also fills the layer's KV cache), then
+    chains the layer on its own draft and post-norm output for the further tokens (vLLM's way of
+    running one MTP layer k times). Its state (the layer's KV cache rows) belongs to the slot and
+    is rewritten from the kept rows on, so nothing stale from a rejected draft is read."""
+
+    def __init__(self, eng, slot: int = 0):
+        if "mtp" not in eng.plans[0]["programs"]:
+            raise NoDraft(f"{eng.art.path}: its plan holds no mtp program (no MTP / NextN layer lowered); "
+                          f"use --draft ngram")
+        self.eng, self.slot, self.drafts = eng, slot, []
+
+    def extend(self, ids) -> None:           # the MTP layer reads the engine's passes (observe), not the ids
+        pass
+
+    def observe(self, start: int, nexts, hidden, k: int) -> None:
+        """The main model ran rows at positions start.. with final-norm outputs `hidden`; `nexts` are
+        the tokens that follow those rows (the prompt's next ones, then the greedy choices kept)."""
+        eng, u = self.eng, self.eng.ubatch
+        n = len(nexts)                                       # an MTP row takes its main row's position
+        self.drafts = []
+        for c in range(0, n, u):
+            m = min(u, n - c)
+            _, nt, mh = eng.mtp(list(nexts[c:c + m]), np.arange(start + c, start + c + m), hidden[c:c + m], self.slot)
+        d, h, p = [int(nt[-1])], mh[-1:], start + n - 1      # p: the position of the last MTP row
+        while len(d) < k and p + len(d) < eng.ctx:
+            _, nt, h = eng.mtp([d[-1]], [p + len(d)], h, self.slot)
+            d.append(int(nt[0]))
+        self.drafts = d
+
+    def propose(self, k: int) -> list[int]:
+        d, self.drafts = self.drafts[:k], []
+        return d

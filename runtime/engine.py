@@ -177,9 +177,10 @@ class Engine:
         return a
 
     # -- running ------------------------------------------------------------------------------------
-    def prefill(self, ids: Sequence[int], slot: int = 0, last_only: bool = False) -> np.ndarray:
+    def prefill(self, ids: Sequence[int], slot: int = 0, last_only: bool = False, on_chunk=None) -> np.ndarray:
         """Appends ids to a slot's sequence in chunks of ubatch rows; the logits of every id
-        ([n, vocab]), or of the last only ([vocab])."""
+        ([n, vocab]), or of the last only ([vocab]). on_chunk(start, n): called after each chunk
+        (the MTP draft reads the chunk's hidden rows then)."""
         a = self.check_ids(ids)
         start = int(self.lengths[slot])
         if start + a.size > self.ctx:
@@ -200,6 +201,8 @@ class Engine:
                             ("logits",) if keep else (), rows=(lo, n))
             if keep:
                 out.append(res["logits"].copy())
+            if on_chunk is not None:
+                on_chunk(start + c, n)
         self.lengths[slot] = start + a.size
         if last_only:
             return out[-1][-1]
@@ -240,6 +243,28 @@ class Engine:
             self.exec.keep(slot, keep - 1)
         self.lengths[slot] += keep
         self._verified = (None, 0)
+
+    def hidden(self, prog: str, n: int) -> np.ndarray:
+        """The first n rows of the main model's final-norm output in the last run of `prog` (what the
+        MTP layer drafts from; the NumPy executor's buffer)."""
+        return self.exec.buffers[prog][0][self.plans[0]["programs"]["mtp"]["hidden"]][:n].copy()
+
+    def mtp(self, tokens: Sequence[int], positions: Sequence[int], hidden: np.ndarray, slot: int = 0):
+        """One run of the plan's mtp program (the MTP / NextN layer) over up to ubatch rows of a slot:
+        row i embeds tokens[i] at positions[i] with the main model's hidden[i] (of position
+        positions[i] - 1). Returns its logits [n, vocab], greedy drafts [n] and post-norm hidden [n, D]."""
+        n, u = len(tokens), self.ubatch
+        if not 1 <= n <= u:
+            raise ValueError(f"an mtp run takes 1 to {u} rows (--ubatch), got {n}")
+        tok = np.zeros(u, np.int32)
+        tok[:n] = self.check_ids(tokens)
+        pos = np.full(u, -1, np.int32)
+        pos[:n] = positions
+        hid = np.zeros((u, hidden.shape[-1]), np.float32)
+        hid[:n] = hidden
+        res = self._run("mtp", {"tokens": tok, "positions": pos, "slot_ids": np.full(u, slot, np.int32),
+                                "hidden": hid}, ("logits", "next_token", "mtp_hidden"), rows=(0, n))
+        return res["logits"].copy(), res["next_token"].astype(np.int64), res["mtp_hidden"].copy()
 
     def _no_verify_why(self) -> str:
         if "verify" not in self.plans[0]["programs"]:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .draft import NgramDraft
+from .draft import MtpDraft, NgramDraft
 from .engine import Engine
 from .errors import NoDraft
 from .sampling import sample
@@ -58,14 +58,15 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
     template unless raw, or pass token `ids`. `artifact`: a path, an Artifact or an Engine.
     max_tokens None: until EOS or the context is full. ignore_eos: the EOS ids are masked out of
     every pick (llama.cpp's --ignore-eos), so generation never stops at one. draft: "off",
-    "ngram" or a draft object (runtime/draft.py: extend, propose) for speculative decoding, greedy
+    "ngram", "mtp" or a draft object (runtime/draft.py) for speculative decoding, greedy
     only; draft_max tokens a verify pass at most (default the engine's); the tokens are the same as
     with "off"."""
     eng = artifact if isinstance(artifact, Engine) else Engine(artifact, device=device, ctx=ctx, threads=threads)
-    drafter = None if draft == "off" else NgramDraft() if draft == "ngram" else draft
-    if isinstance(drafter, str):
-        raise NoDraft(f"draft {draft!r}: this version drafts with 'ngram' (or 'off'); the MTP draft is not "
-                      f"lowered yet" if draft == "mtp" else f"draft {draft!r}: choose off or ngram")
+    drafter = draft
+    if isinstance(draft, str):
+        if draft not in ("off", "ngram", "mtp"):
+            raise NoDraft(f"draft {draft!r}: choose off, ngram or mtp")
+        drafter = None if draft == "off" else NgramDraft() if draft == "ngram" else MtpDraft(eng)
     if drafter is not None and temperature > 0:
         raise NoDraft(f"--draft verifies greedy choices: it needs --temperature 0 (it was {temperature})")
     if drafter is not None and not eng.draft_max:
@@ -91,9 +92,14 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
         drafter.extend(prompt_ids)
     stats = {"verify_steps": 0, "drafted": 0, "accepted": 0}
     queue: list[int] = []               # greedy tokens a verify pass has decided, not yet emitted
+    watch = getattr(drafter, "observe", None)          # a draft that reads the passes' hidden rows (MTP)
+    hid: list = []
     t0 = time.perf_counter()
-    row = eng.prefill(prompt_ids, last_only=True)
+    row = eng.prefill(prompt_ids, last_only=True,
+                      on_chunk=(lambda c, n: hid.append(eng.hidden("prefill", n))) if watch else None)
     nxt = pick(row, np.argmax(row))
+    if watch:
+        watch(0, prompt_ids[1:] + [nxt], np.concatenate(hid), k_max)
     t1 = time.perf_counter()
     steps, stop = 0, "length"
     while True:
@@ -118,6 +124,7 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
             left = k_max if max_tokens is None else max_tokens - len(out) - 1
             drafts = drafter.propose(min(k_max, room, left))
             if drafts:
+                start = int(eng.lengths[0])
                 logits_, greedy = eng.verify([nxt, *drafts])
                 picks = [pick(logits_[i], greedy[i]) for i in range(len(drafts) + 1)]
                 a = 0
@@ -129,12 +136,17 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
                 stats["accepted"] += a
                 steps += a + 1
                 drafter.extend(drafts[:a])
+                if watch:
+                    watch(start, picks[:a + 1], eng.hidden("verify", a + 1), k_max)
                 queue = picks[:a + 1]
                 nxt = queue.pop(0)
                 continue
+        start = int(eng.lengths[0])
         logits_, greedy = eng.decode([nxt], logits=temperature > 0 or bool(masked))   # greedy: only the id
         steps += 1
         nxt = pick(None if logits_ is None else logits_[0], greedy[0])
+        if watch:
+            watch(start, [nxt], eng.hidden("decode", 1), k_max)
     t2 = time.perf_counter()
     rest = stream.flush()
     if on_text and rest:

@@ -438,8 +438,8 @@ def _same_bits(a, b) -> bool:
 def test_nextn_layer_carried_as_stored(fmt, tmp_path):
     """The NextN layer's tensors travel into the artifact under llama.cpp's names (blk.3.nextn.*, and
     blk.3.* for its decoder block), each part bit for bit as stored (the head's rank slices at tp 2
-    joined), `bloomery inspect` lists them, and the plan reads none of them: it is the plan of the
-    export without them, and gives the same logits."""
+    joined), `bloomery inspect` lists them, and the main programs read none of them (the plan's
+    mtp program does): they are the programs of the export without them, and give the same logits."""
     name = f"tiny-glm4_moe/{fmt}"
     new = with_nextn(name, tmp_path / "ckpt")
     ck = Checkpoint.open(tmp_path / "ckpt")
@@ -458,10 +458,14 @@ def test_nextn_layer_carried_as_stored(fmt, tmp_path):
             eh = t["blk.3.nextn.eh_proj"]
             assert eh.format == ck.tensors["model.layers.3.eh_proj.weight"].format.name == \
                 ("bf16" if fmt == "bf16" else {"nvfp4": "nvfp4", "fp8": "fp8_tensor"}[fmt]) and eh.cut == "replicated"
-            # the plan: the same as without the NextN layer, reading nothing of it
+            # the main programs: the same as without the NextN layer, reading nothing of it; the mtp
+            # program reads it
             plan = json.loads(art.metadata(r)[P.KEY])
+            mtp_prog = plan["programs"].pop("mtp")
             assert not [w for w in P.weights_of(plan) if w.startswith("blk.3.")]
-            assert art.metadata(r)[P.KEY] == base.metadata(r)[P.KEY]
+            assert {f"blk.3.{v}" for v in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm",
+                                           "attn_q", "ffn_gate_exps")} <= set(P.weights_of({"programs": {"mtp": mtp_prog}}))
+            assert plan["programs"] == json.loads(base.metadata(r)[P.KEY])["programs"]
             assert int(art.metadata(r)["glm4moe.block_count"]) == 4
             assert int(art.metadata(r)["glm4moe.nextn_predict_layers"]) == 1
         for hf, suffix in NEXTN_ART.items():

@@ -303,12 +303,15 @@ def test_mtp_tensors_carried(mtp_folder, tmp_path, tp):
                 assert set(got) == set(want), n
                 for k in want:
                     assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), (n, k)
-    # unused by the plan, which is the plan without them
+    # read by the mtp program only: the main programs are the plan's without them
+    plain = Artifact.open(artifact("tiny-qwen3_next/nvfp4", tp))
     for r in range(tp):
         plan = P.loads(art.metadata(r)[P.KEY])
+        mtp_prog = plan["programs"].pop("mtp")
         assert not [w for w in P.weights_of(plan) if w.startswith("mtp.")]
-    plain = Artifact.open(artifact("tiny-qwen3_next/nvfp4", tp))
-    assert art.metadata(0)[P.KEY] == plain.metadata(0)[P.KEY]
+        assert {"mtp.nextn.eh_proj", "mtp.nextn.enorm", "mtp.nextn.hnorm", "mtp.nextn.shared_head_norm",
+                "mtp.blk.0.attn_q", "mtp.blk.0.ffn_gate_exps"} <= set(P.weights_of({"programs": {"mtp": mtp_prog}}))
+        assert plan["programs"] == P.loads(plain.metadata(r)[P.KEY])["programs"]
     res = CliRunner().invoke(main, ["inspect", str(out)])
     assert res.exit_code == 0 and "mtp.blk.0.ffn_down_exps" in res.output and "mtp.nextn.eh_proj" in res.output
 

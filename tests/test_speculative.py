@@ -137,3 +137,57 @@ def test_plan_holds_verify_with_state_history():
         assert extra in ({}, {"mode": "verify"}), extra
     assert hist == 2 * 3                     # conv window and delta-rule state of 3 delta-net layers
     assert P.buffers_used(plan, "decode").isdisjoint({b["history"] for b in ver if "history" in b})
+
+
+MTP = ("tiny-glm4_moe-mtp/bf16", "tiny-glm4_moe-mtp/nvfp4", "tiny-qwen3_next-mtp/bf16", "tiny-qwen3_next-mtp/nvfp4")
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", MTP)
+def test_mtp_program_matches_the_oracle(name):
+    """The plan's mtp program, teacher-forced (row i: the main model's final-norm hidden of ids[i],
+    the embedding of ids[i+1]), against transformers' MtpModel over the same values in float32
+    (tools/oracle.py mtp_logits): the same argmax at every row, relative L2 within 1e-5."""
+    from bloomery.tools import models, oracle
+    art = artifact(name)
+    eng = Engine(art, ctx=128, ubatch=16)                # chunks of 16: the MTP cache across chunks
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, eng.vocab_size, 40)]
+    hid = []
+    eng.prefill(ids, on_chunk=lambda c, n: hid.append(eng.hidden("prefill", n)))
+    H = np.concatenate(hid)
+    ours = np.concatenate([eng.mtp(ids[1 + c:1 + c + m], np.arange(c, c + m), H[c:c + m])[0]
+                           for c, m in ((c, min(16, 39 - c)) for c in range(0, 39, 16))])
+    ref = oracle.artifact_oracle(models.model_dir(name), art).mtp_logits(ids)
+    assert ours.shape == ref.shape == (39, eng.vocab_size)
+    rel = np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert rel.max() <= 1e-5, f"{name}: relative L2 {rel.max():.2e} at row {int(rel.argmax())}"
+    assert np.array_equal(ours.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", MTP)
+def test_mtp_draft_is_lossless(name):
+    """256 greedy tokens with the MTP draft (random-weight layers: its acceptance is noise) equal
+    plain decoding's; every step after the prompt is a verify pass of drafted tokens."""
+    eng = Engine(artifact(name), ctx=512)
+    plain = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True)
+    spec = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True, draft="mtp")
+    assert spec.token_ids == plain.token_ids
+    assert spec.extra["verify_steps"] >= 256 // (eng.draft_max + 1) and spec.extra["drafted"] > 0, spec.extra
+
+
+@pytest.mark.models
+def test_run_draft_mtp_cli(tmp_path):
+    """run --draft mtp gives the text of --draft off; asked of an artifact with no MTP layer it is
+    refused by name."""
+    import json
+    import subprocess
+    import sys
+    art = str(artifact("tiny-qwen3_next-mtp/nvfp4"))
+    cmd = [sys.executable, "-m", "bloomery.cli", "run", art, "-p", "Hello there", "-n", "24", "--ignore-eos", "--json"]
+    out = [json.loads(subprocess.run(cmd + ["--draft", d], capture_output=True, text=True, check=True).stdout)
+           for d in ("off", "mtp")]
+    assert out[0]["token_ids"] == out[1]["token_ids"] and out[1]["verify_steps"] > 0
+    r = subprocess.run([sys.executable, "-m", "bloomery.cli", "run", str(artifact("tiny-llama/nvfp4")), "-p", "Hi",
+                        "--draft", "mtp"], capture_output=True, text=True)
+    assert r.returncode != 0 and "NoDraft" in r.stderr and "no MTP / NextN layer" in r.stderr, r.stderr
