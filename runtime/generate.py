@@ -151,6 +151,7 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
     rest = stream.flush()
     if on_text and rest:
         on_text(rest)
+    steps = len(out) - 1 + (stop == "eos")     # the tokens decoding gave after the prefill's (a pass may give several)
     extra = {}
     if drafter is not None:
         extra = {"draft": draft if isinstance(draft, str) else type(draft).__name__, **stats,
