@@ -54,6 +54,12 @@ A spec file holds:
                   model.language_model. for model., glm5_next's module names as ModelOpt
                   writes them (attn_hc.fn) for the names save_pretrained writes (hc_attn_fn)
 
+A shared fragment: `"@include": NAME` as an entry of config or metadata, or `{"@include": NAME}`
+as an item of checks, stands for that section of specs/include/NAME.yaml, spliced in at that
+place (the order, and with it the artifact's bytes, as if its lines were written there; a name
+given twice is a SpecError). specs/include/rope_scaling.yaml: the rope and its llama3 / YaRN
+scaling, for llama, qwen2, qwen3 and qwen3_moe.
+
 Implicit values (set by the planner from the checkpoint, not config.json): kv_cache_quant,
 true when the quantization config stores KV-cache scales (k_scale / v_scale); mtp, true when
 the checkpoint stores tensors under `mtp.` (a multi-token-prediction layer, Qwen3-Next's).
@@ -496,11 +502,53 @@ def _tensor(row, where: str, known, layer_known, roles: Roles) -> TensorRule:
                       segments, required, shards)
 
 
+INCLUDE = "@include"          # a shared fragment (specs/include/<name>.yaml) spliced in where the key stands
+
+
+def _splice(raw, where: str):
+    """The spec with its includes spliced in: an `"@include": NAME` entry of config or metadata (or a
+    `{"@include": NAME}` item of checks) stands for that section of specs/include/NAME.yaml, at that
+    place, so that order (and with it the artifact's bytes) is as if the lines were written there."""
+    if not isinstance(raw, dict):
+        return raw
+    frags: dict = {}
+
+    def frag(name, at):
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
+            raise SpecError(f"{where}: {at}: {INCLUDE} takes a fragment name, found {name!r}")
+        if name not in frags:
+            fp = SPECS_DIR / "include" / f"{name}.yaml"
+            if not fp.is_file():
+                raise SpecError(f"{where}: {at}: {INCLUDE} {name!r}: no fragment {fp.name} in specs/include/")
+            frags[name] = _need(_read(fp), dict, str(fp), "a fragment")
+        return frags[name]
+
+    out = dict(raw)
+    for sec in ("config", "metadata"):
+        body = raw.get(sec)
+        if isinstance(body, dict) and INCLUDE in body:
+            merged: dict = {}
+            for k, v in body.items():
+                items = _need(frag(v, sec).get(sec) or {}, dict, where, f"{sec} of fragment {v!r}").items() \
+                    if k == INCLUDE else [(k, v)]
+                for kk, vv in items:
+                    if kk in merged or (k == INCLUDE and kk in body):
+                        raise SpecError(f"{where}: {sec}.{kk} is given twice (the spec and a fragment)")
+                    merged[kk] = vv
+            out[sec] = merged
+    body = raw.get("checks")
+    if isinstance(body, list):
+        out["checks"] = [c for item in body for c in (
+            _need(frag(item[INCLUDE], "checks").get("checks") or [], list, where, "checks of a fragment")
+            if isinstance(item, dict) and set(item) == {INCLUDE} else [item])]
+    return out
+
+
 def load(path) -> Spec:
     """One spec file, validated (SpecError naming the file and field otherwise)."""
     path = Path(path)
-    raw = _read(path)
     w = str(path)
+    raw = _splice(_read(path), w)
     _fields(raw, _FIELDS, _REQUIRED, w)
     roles = load_roles()
     serves = _need(raw["serves"], dict, w, "serves")

@@ -257,3 +257,35 @@ def test_cuda_matches_numpy_with_scaling_and_biases(name):
     art = artifact(name)
     assert_engines_agree(runtime.Engine(art, device="cuda", ctx=128, ubatch=16),
                          runtime.Engine(art, device="cpu", ctx=128, ubatch=16))
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("params", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                                    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16}])
+def test_qwen3_moe_takes_rope_scaling(params, tmp_path):
+    """Qwen3-MoE with YaRN (Qwen3-30B-A3B's long-context setting) or llama3 scaling: the tiny export
+    with its config.json given the scaling (the rope fragment, specs/include/rope_scaling.yaml, is
+    the one every Llama-class spec splices in) matches the f32 oracle of that folder, and differs
+    from the unscaled model's logits."""
+    import json
+    import shutil
+
+    from bloomery import runtime
+    from bloomery.compiler.prepare import prepare
+    from bloomery.tools import oracle
+
+    src = need("tiny-qwen3_moe/bf16")
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg.get("rope_parameters", {}), **params}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    prepare(folder, tmp_path / "art", progress=False)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, 64)]
+    x = runtime.logits(tmp_path / "art", ids)
+    ref = oracle.logits(folder, ids, cache=False)
+    plain = runtime.logits(artifact("tiny-qwen3_moe/bf16"), ids)
+    assert max(rel(x[i], ref[i]) for i in range(64)) < 1e-4
+    assert np.array_equal(x.argmax(1), ref.argmax(1))
+    assert max(rel(x[i], plain[i]) for i in range(16, 64)) > 1e-3        # past the original context it matters

@@ -98,7 +98,10 @@ def _t(i):
     (lambda r: r["tp_checks"][0].update(error="NoSuchError"), ["tp_checks[0]", "NoSuchError"]),
     (lambda r: r["tp_checks"][0].update(message="{nope} heads"), ["tp_checks[0]", "nope"]),
     (lambda r: r["metadata"]["{arch}.block_count"].update(type="u7"), ["block_count", "u7"]),
-    (lambda r: r["metadata"]["{arch}.rope.scaling.type"].update(when="rope_kind != 'x'"), ["scaling.type", "rope_kind"]),
+    (lambda r: r["metadata"]["{arch}.vocab_size"].update(when="rope_kind != 'x'"), ["vocab_size", "rope_kind"]),
+    (lambda r: r["config"].update({"@include": "nope"}), ["@include", "nope", "specs/include"]),
+    (lambda r: r["config"].update(rope_theta={"keys": ["rope_theta"]}), ["config.rope_theta", "twice"]),
+    (lambda r: r["checks"].append({"@include": "../levers"}), ["@include", "fragment name"]),
     (lambda r: r["config"]["head_dim"].update(default="hidden // 2"), ["config.head_dim", "hidden"]),
     (lambda r: r.update(layers="num_layers"), ["layers", "num_layers"]),
 ])
