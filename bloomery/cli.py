@@ -375,6 +375,21 @@ _VERIFY_HELP = ("Check every tensor against its digest (DIGESTS.json) as it load
                 "`bloomery verify` checks every byte.")
 
 
+_CACHE_TYPES = click.Choice(["f32", "f16", "bf16", "q8_0", "fp8"])
+
+
+def cache_type_options(fn):
+    """--cache-type-k / --cache-type-v (llama.cpp's -ctk / -ctv): the KV cache's storage type."""
+    for kv in ("v", "k"):
+        fn = click.option(f"-ct{kv}", f"--cache-type-{kv}", f"cache_type_{kv}", type=_CACHE_TYPES, default="f32",
+                          show_default=True, envvar=f"BLOOMERY_CACHE_TYPE_{kv.upper()}",
+                          help=f"Store the KV cache's {'keys' if kv == 'k' else 'values'} as f32, f16, bf16, q8_0 "
+                               f"or fp8 (with the checkpoint's {kv}_scale; ModelOpt's FP8 KV cache); written rounded, "
+                               f"read decoded (runtime/kv_cache.py). Each type's measured KL against f32: "
+                               f"`bloomery levers` (BLOOMERY_CACHE_TYPE_{kv.upper()}). CPU only in this version.")(fn)
+    return fn
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", "-p", required=True, help="The user's message (through the chat template unless --raw).")
@@ -403,9 +418,10 @@ _VERIFY_HELP = ("Check every tensor against its digest (DIGESTS.json) as it load
               "output is the same as with off. auto: the one measured faster here, said on stderr.")
 @click.option("--draft-max", type=click.IntRange(1, 16), default=4, show_default=True,
               help="Drafted tokens one verify step checks at most (llama.cpp's --draft-max).")
+@cache_type_options
 @refusals
 def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p, seed, ctx_size, device, threads,
-        as_json, check, draft, draft_max):
+        as_json, check, draft, draft_max, cache_type_k, cache_type_v):
     """Generate a reply from ARTIFACT (from `bloomery prepare`) to --prompt.
 
     The tokenizer and chat template come from the artifact. The text streams to stdout as
@@ -428,10 +444,14 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
         raise click.BadParameter("0 generates nothing; give a count, or -1 for until EOS or the context's end",
                                  param_hint="--max-tokens")
     t0 = time.perf_counter()
-    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads, check=check, draft_max=draft_max)
+    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads, check=check, draft_max=draft_max,
+                 cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     load_s = time.perf_counter() - t0
     draft, why = drafts.choose(eng, draft, temperature)
-    click.echo(f"draft: {draft} ({why})", err=True)
+    kv = "/".join(eng.cache_types)
+    click.echo(f"draft: {draft} ({why}) | kv cache k/v: {kv} (-ctk/-ctv; "
+               f"{'the default: the only type inside the gate bands' if kv == 'f32/f32' else 'as asked'}, "
+               f"each type's KL: bloomery levers)", err=True)
 
     def emit(piece):
         click.echo(piece, nl=False)
@@ -486,9 +506,13 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
               help="CPU BLAS threads.")
 @click.option("--verify", "check", is_flag=True, help=_VERIFY_HELP + " (An artifact; a folder compiled in memory "
               "has no files to check.)")
+@click.option("--draft", type=click.Choice(["auto", "off", "ngram"]), default="auto", show_default=True,
+              help="Speculative decoding of a greedy request with -np 1: its n-gram drafts checked in one verify "
+              "pass, the reply the same as with off. auto: ngram where measured faster (the CPU, -np 1), else off.")
+@cache_type_options
 @refusals
 def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
-          max_queue, threads, check):
+          max_queue, threads, check, draft, cache_type_k, cache_type_v):
     """Serve a model over HTTP with the OpenAI API (llama-server's flags).
 
     Each of the --parallel slots holds one request: the slots that generate are decoded
@@ -527,7 +551,7 @@ def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict
     sys.exit(run_server(Settings(model=model, ctx=ctx_size or None, parallel=parallel, ubatch=ubatch_size,
                                  host=host, port=port, api_key=api_key or None, n_predict=n_predict, alias=alias,
                                  device=device, tp=tp, metrics=metrics, threads=threads, max_queue=max_queue,
-                                 check=check)))
+                                 check=check, cache_types=(cache_type_k, cache_type_v), draft=draft)))
 
 
 @main.command()
@@ -540,8 +564,9 @@ def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict
 @click.option("--ubatch", type=click.IntRange(1), default=64, show_default=True, help="Rows per prompt chunk.")
 @click.option("--threads", "-t", type=click.IntRange(1), default=1, show_default=True, help="CPU BLAS threads.")
 @click.option("--verify", "check", is_flag=True, help=_VERIFY_HELP)
+@cache_type_options
 @refusals
-def logits(artifact, ids_file, out_file, device, ubatch, threads, check):
+def logits(artifact, ids_file, out_file, device, ubatch, threads, check, cache_type_k, cache_type_v):
     """Teacher-forced logits of a token-id list: row i is the distribution after ids[0..i].
 
     \b
@@ -558,7 +583,8 @@ def logits(artifact, ids_file, out_file, device, ubatch, threads, check):
         raise click.BadParameter(f"{ids_file} is not JSON ({e})", param_hint="--ids") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise click.BadParameter(f"{ids_file} must hold a non-empty JSON list of integers", param_hint="--ids")
-    x = run_logits(artifact, ids, device=device, ubatch=ubatch, threads=threads, check=check)
+    x = run_logits(artifact, ids, device=device, ubatch=ubatch, threads=threads, check=check,
+                   cache_types=(cache_type_k, cache_type_v))
     np.save(out_file, x)
     click.echo(f"{out_file}: float32 {list(x.shape)}", err=True)
 

@@ -51,6 +51,8 @@ class Settings:
     threads: int = 1
     max_queue: int = 64
     check: bool = False             # --verify: each tensor against DIGESTS.json as it loads
+    cache_types: tuple = ("f32", "f32")     # --cache-type-k, --cache-type-v
+    draft: str = "auto"             # --draft: auto | off | ngram (a lone greedy request's verify passes)
 
     @property
     def model_id(self) -> str:
@@ -84,14 +86,30 @@ def load(s: Settings):
     art = open_model(s)
     dev = devices.resolve(s.device)
     ub = s.ubatch or (512 if dev == "cuda" else 64)
-    eng = Engine(art, device=s.device, ctx=s.ctx, slots=s.parallel, ubatch=ub, threads=s.threads)
+    eng = Engine(art, device=s.device, ctx=s.ctx, slots=s.parallel, ubatch=ub, threads=s.threads,
+                 cache_type_k=s.cache_types[0], cache_type_v=s.cache_types[1])
     text = Text(eng.art, eng.eos_ids, eng.bos_id)
+    from bloomery.runtime import draft as drafts
+    if s.draft not in ("auto", "off", "ngram"):
+        raise ServeRefusal(f"--draft {s.draft}: the server drafts with ngram (or off, auto)")
+    # a verify row is computed as a one-row decode step: bit-equal to this server's own decode steps
+    # only when they have one row (-np 1); with more, their rounding differs (bloomery levers,
+    # BLOOMERY_DECODE_TC), so a draft could change a reply at a near tie
+    if s.draft == "auto":
+        s.draft = drafts.choose(eng, "auto", 0.0)[0] if eng.slots == 1 else "off"
+    if s.draft == "ngram" and eng.slots > 1:
+        raise ServeRefusal(f"--draft ngram with -np {eng.slots}: a verify pass computes a row as a one-row decode "
+                           f"step, and this server's steps have {eng.slots} rows, rounded otherwise, so a reply "
+                           f"could differ from --draft off at a near tie; use -np 1 for drafts")
+    if s.draft == "ngram" and not eng.draft_max:
+        raise ServeRefusal(eng._no_verify_why())
     mem = eng.memory()
     src = "artifact" if not getattr(art, "in_memory", False) else "checkpoint folder compiled in memory"
     line = (f"bloomery serve: {s.model_id} ({src}, {time.perf_counter() - t0:.1f} s) | device {eng.device} (--device) "
             f"| tp {art.tp} (--tp) | {eng.slots} slots (-np) | context {eng.ctx} per slot (-c; the model's "
             f"{eng.context_length}) | ubatch {eng.ubatch} (-ub) | memory {_mib(mem['weights'])} weights + "
-            f"{_mib(mem['state'])} KV/state (-c, -np) | http://{s.host}:{s.port} (--host, --port)")
+            f"{_mib(mem['state'])} KV/state (-c, -np; KV {'/'.join(eng.cache_types)}: -ctk, -ctv) | draft {s.draft} "
+            f"(--draft) | http://{s.host}:{s.port} (--host, --port)")
     return eng, text, line
 
 
@@ -225,7 +243,7 @@ class Server:
 
     def load(self) -> str:
         eng, self.text, line = load(self.s)
-        self.sched = Scheduler(eng, self.text, max_queue=self.s.max_queue)
+        self.sched = Scheduler(eng, self.text, max_queue=self.s.max_queue, draft=self.s.draft)
         return line
 
     def ready(self) -> Scheduler:
@@ -419,6 +437,9 @@ def prometheus(st: dict) -> str:
         ("decode_seconds_total", "counter", "time spent in decode steps", st["decode_s"]),
         ("decode_steps_total", "counter", "decode steps (one row per generating slot)", st["decode_steps"]),
         ("decode_rows_total", "counter", "tokens decoded: the generating rows of every decode step", st["decode_rows"]),
+        ("draft_steps_total", "counter", "verify passes of a drafted slot (--draft)", st["draft_steps"]),
+        ("draft_tokens_total", "counter", "drafted tokens verified", st["draft_tokens"]),
+        ("draft_accepted_total", "counter", "drafted tokens kept (each the greedy choice)", st["draft_accepted"]),
         ("prompt_tokens_seconds", "gauge", "prompt throughput, tok/s",
          st["prompt_tokens"] / st["prompt_s"] if st["prompt_s"] else 0.0),
         ("predicted_tokens_seconds", "gauge", "aggregate decode throughput, tok/s (rows of every step)",

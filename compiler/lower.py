@@ -215,10 +215,13 @@ class _Decoder:
         ck = self.buf(f"kv.{bid}.k", cache, kind="state")
         cv = self.buf(f"kv.{bid}.v", cache, kind="state")
         att = self.rows("attn", self.heads * hd)
+        # ModelOpt's FP8 KV-cache scales, where the checkpoint has them (read by --cache-type fp8 only)
+        b = self.pre(bid)
+        scales = {k: f"{b}attn_{k}" for k in ("k_scale", "v_scale") if f"{b}attn_{k}" in self.t}
         # YaRN's attention factor m multiplies HF's cos and sin of q and of k: m^2 on the scores (core/rope.py)
         self.op("attention", q=q, k=k, v=v, pos="positions", slot="slot_ids", cache_k=ck, cache_v=cv, out=att,
                 heads=self.heads, kv_heads=self.kv_heads, head_dim=hd, scale=self.attn_factor ** 2 / math.sqrt(hd),
-                **select)
+                **select, **scales)
         return att
 
     def project_out(self, x: str, weight: str, h: str) -> None:

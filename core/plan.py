@@ -57,6 +57,7 @@ class OpSig:
     opt_reads: tuple[str, ...] = ()      # buffers read when the key is present (attention's `select`)
     host: bool = False                   # runs on the host before the device step (the PLE gather)
     opt_writes: tuple[str, ...] = ()     # buffers written when the key is present (a state's `history`)
+    opt_weights: tuple[str, ...] = ()    # artifact tensors read when the key is present (attention's k/v scales)
 
 
 OPS: dict[str, OpSig] = {
@@ -67,7 +68,8 @@ OPS: dict[str, OpSig] = {
     "rope": OpSig(reads=("x", "pos"), writes=("out",), attrs=("heads", "head_dim", "theta"),
                   optional=("rotary_dim", "scaling")),      # scaling: core/rope.py (llama3, yarn)
     "attention": OpSig(reads=("q", "k", "v", "pos", "slot"), writes=("out",), state=("cache_k", "cache_v"),
-                       attrs=("heads", "kv_heads", "head_dim", "scale", "mode"), opt_reads=("select",)),
+                       attrs=("heads", "kv_heads", "head_dim", "scale", "mode"), opt_reads=("select",),
+                       opt_weights=("k_scale", "v_scale")),    # ModelOpt's FP8 KV-cache scales (--cache-type fp8)
     "swiglu": OpSig(reads=("gate", "up"), writes=("out",), optional=("limit",)),
     "add": OpSig(reads=("a", "b"), writes=("out",)),
     "concat": OpSig(reads=("a", "b"), writes=("out",)),             # [a | b] along the last axis (the MTP's eh input)
@@ -193,11 +195,11 @@ def validate(plan: dict, where: str = "plan") -> None:
             need = (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.attrs)
             missing = [k for k in need if k not in op]
             extra = [k for k in op if k != "op" and k not in need and k not in sig.optional
-                     and k not in sig.opt_reads and k not in sig.opt_writes]
+                     and k not in sig.opt_reads and k not in sig.opt_writes and k not in sig.opt_weights]
             if missing or extra:
                 raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
             names = [op[k] for k in (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.opt_reads,
-                                     *sig.opt_writes) if k in op]
+                                     *sig.opt_writes, *sig.opt_weights) if k in op]
             if not all(isinstance(n, str) for n in names):
                 raise PlanInvalid(f"{at}: a buffer or weight name is not a string: {names}")
             for b in buffers_of(op):
@@ -220,6 +222,7 @@ def weights_of(plan: dict) -> list[str]:
     seen: dict[str, None] = {}
     for prog in programs_of(plan):
         for op in plan["programs"][prog]["ops"]:
-            for k in OPS[op["op"]].weights:
-                seen.setdefault(op[k], None)
+            for k in (*OPS[op["op"]].weights, *OPS[op["op"]].opt_weights):
+                if k in op:
+                    seen.setdefault(op[k], None)
     return list(seen)

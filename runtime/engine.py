@@ -24,6 +24,7 @@ from bloomery.core.artifact import Artifact
 
 from . import blas
 from . import device as devices
+from . import kv_cache
 from .errors import DeviceUnavailable, NoPlan, NoVerifyProgram, PlanMismatch, PromptTooLong, TokenOutOfVocab
 from .numpy_executor import NumpyExecutor
 from .weights import CpuWeights
@@ -47,7 +48,7 @@ def read_plans(art: Artifact) -> list[dict]:
 class Engine:
     def __init__(self, artifact, *, device: str = "cpu", ctx: int | None = None, slots: int = 1,
                  ubatch: int = DEFAULT_UBATCH, threads: int | None = 1, check: bool = False,
-                 draft_max: int = DEFAULT_DRAFT_MAX):
+                 draft_max: int = DEFAULT_DRAFT_MAX, cache_type_k: str = "f32", cache_type_v: str = "f32"):
         self.art = artifact if isinstance(artifact, Artifact) else Artifact.open(Path(artifact), check=check)
         self.device = devices.resolve(device)
         if self.device == "cuda" and self.art.tp > 1:       # one process per rank, rank r on GPU r
@@ -74,6 +75,14 @@ class Engine:
             raise ValueError(f"ctx {self.ctx}, slots {slots} and ubatch {ubatch} must be positive")
         self.slots, self.ubatch = slots, ubatch
         symbols = {"slots": slots, "ubatch": ubatch, "ctx": self.ctx}
+        self.cache_types = (cache_type_k, cache_type_v)
+        for kind in self.cache_types:
+            if kind not in kv_cache.TYPES:
+                raise kv_cache.CacheTypeRefused(f"cache type {kind!r}: choose one of {', '.join(kv_cache.TYPES)}")
+        if self.device == "cuda" and self.cache_types != ("f32", "f32"):
+            raise kv_cache.CacheTypeRefused(
+                f"--cache-type-k {cache_type_k} --cache-type-v {cache_type_v}: the CUDA kernels read a float32 KV cache "
+                f"in this version; use f32 on the GPU, or --device cpu")
         # the verify program (speculative decoding): on the NumPy executor, for plans that hold it
         self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and self.device == "cpu" else 0
         if self.draft_max:
@@ -97,7 +106,10 @@ class Engine:
             shared: dict = {}
             self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]
             self._check_formats()
-            self.exec = NumpyExecutor(self.plans, self.weights, symbols)
+            try:
+                self.exec = NumpyExecutor(self.plans, self.weights, symbols, self.cache_types)
+            except kv_cache.CacheTypeRefused as e:
+                raise kv_cache.CacheTypeRefused(f"{self.art.path}: {e}") from None
         self.lengths = np.zeros(slots, np.int64)
         # state kept per slot that is not indexed by position (conv windows, delta-rule states): a
         # slot's first n tokens are restored from a snapshot; KV rows past n are simply rewritten
@@ -162,6 +174,8 @@ class Engine:
         GPU) and the per-slot state (KV cache and recurrent states) of every rank."""
         weights = (sum(w.nbytes() for w in self.weights) if self.weights is not None
                    else int(self.exec.weight_nbytes()))
+        if hasattr(self.exec, "state_nbytes"):
+            return {"weights": weights, "state": self.exec.state_nbytes()}
         bind = {"slots": self.slots, "ubatch": self.ubatch, "ctx": self.ctx}
         state = sum(int(np.prod(P.shape(b, bind))) * 4 for p in self.plans for b in p["buffers"].values()
                     if b["kind"] == "state")
@@ -302,7 +316,8 @@ class Engine:
 
 
 def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFAULT_UBATCH,
-           ctx: int | None = None, threads: int | None = 1, check: bool = False) -> np.ndarray:
+           ctx: int | None = None, threads: int | None = 1, check: bool = False,
+           cache_types: tuple = ("f32", "f32")) -> np.ndarray:
     """Teacher-forced logits [n, vocab] float32 of a token-id list (row i predicts ids[i+1]).
     `artifact`: a path, an Artifact, or a loaded Engine (reused: its slot 0 is reset)."""
     ids = list(ids)
@@ -311,5 +326,5 @@ def logits(artifact, ids: Sequence[int], device: str = "cpu", ubatch: int = DEFA
         eng.reset(0)
     else:
         eng = Engine(artifact, device=device, ctx=ctx or max(len(ids), 1), ubatch=ubatch, threads=threads,
-                     check=check)
+                     check=check, cache_type_k=cache_types[0], cache_type_v=cache_types[1])
     return eng.prefill(ids)

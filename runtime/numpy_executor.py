@@ -18,17 +18,31 @@ import numpy as np
 from bloomery.core import plan as P
 
 from .errors import PlanMismatch
+from .kv_cache import CacheTypeRefused, KvStore
 from .ops import IMPL
 
 DTYPES = {"f32": np.float32, "i32": np.int32}
 
 
 class NumpyExecutor:
-    def __init__(self, plans: list[dict], weights: list, symbols: dict[str, int]):
+    def __init__(self, plans: list[dict], weights: list, symbols: dict[str, int], cache_types=("f32", "f32")):
         self.plans, self.weights, self.symbols = plans, weights, dict(symbols)
         _check_lockstep(plans)
         state = [{n: np.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
                   for n, b in p["buffers"].items() if b["kind"] == "state"} for p in plans]
+        if tuple(cache_types) != ("f32", "f32"):           # the attention caches in the chosen types (kv_cache.py)
+            if not any(o["op"] == "attention" for o in plans[0]["programs"]["decode"]["ops"]):
+                raise CacheTypeRefused(f"--cache-type {'/'.join(cache_types)}: this model keeps no attention K/V cache "
+                                       f"(glm5_next's MLA latent cache and the indexers' key caches stay float32); "
+                                       f"use f32")
+            for p, st, w in zip(plans, state, weights):
+                for op in (o for prog in P.programs_of(p) for o in p["programs"][prog]["ops"]):
+                    if op["op"] != "attention":
+                        continue
+                    for key, kind, sc in (("cache_k", cache_types[0], "k_scale"), ("cache_v", cache_types[1], "v_scale")):
+                        if kind != "f32" and not isinstance(st[op[key]], KvStore):
+                            scale = float(w[op[sc]].reshape(-1)[0]) if sc in op else None
+                            st[op[key]] = KvStore(kind, st[op[key]].shape, scale, where=f"{op[key]} ({kind})")
         self.buffers: dict[str, list[dict]] = {}
         self.steps: dict[str, list] = {}
         self.where: dict[str, list] = {}     # per step: (op index, op name)
@@ -90,6 +104,10 @@ class NumpyExecutor:
                 raise P.PlanInvalid(f"{prog} op {i} ({name}): {type(e).__name__}: {e}; the plan's attributes do not "
                                     f"fit its buffers and weights: re-prepare the artifact") from None
         return {n: bufs[0][n] for n, b in self.plans[0]["buffers"].items() if b["kind"] == "output"}
+
+    def state_nbytes(self) -> int:
+        """Bytes of every rank's state buffers as held (the KV cache in its chosen type)."""
+        return sum(int(a.nbytes) for st in self.state for a in st.values())
 
     def keep(self, slot: int, row: int) -> None:
         """After a verify run: the recurrent states of `slot` as they were after verify row `row`

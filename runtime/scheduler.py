@@ -11,6 +11,10 @@ One thread owns the Engine and loops:
   4. runs one step of the decode program: one row per generating slot, the other rows inactive
      (position -1), so the weights are read once for every request in the step; each slot's next
      token is the plan's argmax (temperature 0) or drawn from its request's own seeded generator.
+     With a draft (draft="ngram": serve's --draft) and a single greedy request generating, nothing
+     being prefilled, the step is a verify pass of that slot instead (runtime/generate.py's rule:
+     the drafted tokens equal to the greedy choice are kept, then the greedy token after them),
+     which gives the same tokens as decode steps would; the draft belongs to the request.
 
 A slot's state is never another request's: a request either starts a new sequence in its slot
 (positions from 0, the recurrent state of an unused slot; KV rows are written before they are
@@ -41,6 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .draft import NgramDraft
 from .engine import Engine
 from .errors import PromptTooLong, RuntimeRefusal
 from .sampling import sample
@@ -49,7 +54,8 @@ from .text import Text
 SNAPSHOTS = 2            # recurrent-state snapshots kept per slot (end of the last prompt, of the last reply)
 FINISH = ("stop", "length", "cancelled", "error")
 METRICS = ("requests", *(f"requests_{f}" for f in FINISH), "request_s", "prompt_tokens", "prompt_tokens_reused",
-           "prompt_s", "tokens_predicted", "completion_tokens", "decode_steps", "decode_rows", "decode_s")
+           "prompt_s", "tokens_predicted", "completion_tokens", "decode_steps", "decode_rows", "decode_s",
+           "draft_steps", "draft_tokens", "draft_accepted")
 
 
 class QueueFull(RuntimeRefusal):
@@ -109,11 +115,15 @@ class _Slot:
         self.rng = None
         self.stream = None
         self.acc = ""                     # the reply's text so far (given out: acc[:len(req.text)])
+        self.draft: NgramDraft | None = None      # the request's n-gram draft (over s.tokens)
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, text: Text, *, max_queue: int = 64):
+    def __init__(self, engine: Engine, text: Text, *, max_queue: int = 64, draft: str = "off"):
+        if draft not in ("off", "ngram"):
+            raise ValueError(f"the scheduler drafts with 'ngram' or 'off', not {draft!r}")
         self.eng, self.text = engine, text
+        self.drafting = draft == "ngram" and engine.draft_max > 0
         self.max_queue = max_queue
         self.slots = [_Slot(i) for i in range(engine.slots)]
         self.eos = set(engine.eos_ids)
@@ -219,6 +229,7 @@ class Scheduler:
         s.next = None
         s.rng = np.random.default_rng(req.params.seed)
         s.stream, s.acc = self.text.stream(), ""
+        s.draft = NgramDraft() if self.drafting and req.params.temperature <= 0 else None
         req.slot, req.reused = s.index, keep
         self.metrics["prompt_tokens_reused"] += keep
         self.admitted.append(s)
@@ -255,6 +266,8 @@ class Scheduler:
         act = [s for s in self.slots if s.req is not None and s.next is not None]
         if not act:
             return
+        if len(act) == 1 and act[0].draft is not None and not self.admitted and self._verify_step(act[0]):
+            return
         tokens = np.zeros(len(self.slots), np.int64)
         active = np.zeros(len(self.slots), bool)
         for s in act:
@@ -269,6 +282,46 @@ class Scheduler:
             s.tokens.append(s.next)
             s.next = None
             self._take(s, self._pick(s, None if logits is None else logits[s.index], greedy[s.index]))
+
+    def _verify_step(self, s: _Slot) -> bool:
+        """The lone generating slot's next token and its drafts through one verify pass (False: no
+        draft, a plain decode step instead). Every kept token is taken as a decode step would take
+        it, so a stop, a length or a full context ends the request at the same token."""
+        d = s.draft
+        d.follow(s.tokens + [s.next])                 # what the slot holds, then the next token
+        room = self.eng.ctx - len(s.tokens) - 1
+        mt = s.req.params.max_tokens
+        left = self.eng.draft_max if mt is None else mt - len(s.req.ids) - 1
+        drafts = d.propose(min(self.eng.draft_max, room, left))
+        if not drafts:
+            return False
+        t0 = time.perf_counter()
+        _, greedy = self.eng.verify([s.next, *drafts], slot=s.index)
+        a = 0
+        while a < len(drafts) and int(greedy[a]) == drafts[a]:
+            a += 1
+        self.eng.accept(a + 1, slot=s.index)
+        m = self.metrics
+        m["decode_steps"] += 1
+        m["decode_rows"] += a + 1
+        m["decode_s"] += time.perf_counter() - t0
+        m["draft_steps"] += 1
+        m["draft_tokens"] += len(drafts)
+        m["draft_accepted"] += a
+        fed = [s.next, *drafts[:a]]
+        for i in range(a + 1):
+            s.tokens.append(fed[i])
+            s.next = None
+            self._take(s, int(greedy[i]))
+            if s.next is None:                      # the request ended at this token
+                rest = fed[i + 1:]                  # fed all the same: the slot holds them
+                if rest:
+                    at = len(s.tokens)
+                    s.tokens += rest
+                    if s.snaps and s.snaps[-1][0] == at:      # its end-of-reply snapshot: the state after them
+                        s.snaps[-1] = (len(s.tokens), s.snaps[-1][1])
+                break
+        return True
 
     # -- a chosen token --------------------------------------------------------------------------------
     def _take(self, s: _Slot, t: int) -> None:

@@ -557,3 +557,91 @@ def test_help_teaches():
                  "--api-key", "BLOOMERY_API_KEY", "-n, --n-predict", "--alias", "--device", "--tp", "--metrics",
                  "/v1/chat/completions", "curl"):
         assert flag in r.output, flag
+
+
+# -- drafts (speculative decoding) ---------------------------------------------------------------------
+
+def test_drafts_keep_every_reply(tmp):
+    """-np 1 with the n-gram draft against --draft off, on the hybrid (recurrent states restored after
+    each verify pass, and snapshots for prompt reuse): the same replies, a continued conversation
+    included, and the draft did work; with -np 2 --draft ngram is refused by name."""
+    art = artifact("tiny-qwen3_next/nvfp4")
+    prompts = [[1] + list(range(40, 60)) * 2, [1, 5, 9, 13] * 6, [1] + list(range(100, 130))]
+    out = {}
+    for draft in ("ngram", "off"):
+        s = Served(tmp, "-m", art, "-np", 1, "-c", 256, "--metrics", "--alias", "h", "--draft", draft)
+        try:
+            assert f"draft {draft} (--draft)" in s.start_line, s.start_line
+            c, texts = s.client(), []
+            for p in prompts:
+                r = c.completions.create(model="h", prompt=p, max_tokens=40, temperature=0)
+                texts.append(r.choices[0].text)
+            # the same prompt again (the slot's snapshot at its end: reused) and one past it
+            for p in (prompts[-1], prompts[-1] + [7, 8, 9]):
+                texts.append(c.completions.create(model="h", prompt=p, max_tokens=20, temperature=0).choices[0].text)
+            out[draft] = (texts, s.metrics())
+        finally:
+            s.stop()
+    assert out["ngram"][0] == out["off"][0]
+    m_on, m_off = out["ngram"][1], out["off"][1]
+    assert m_on["bloomery_draft_steps_total"] > 0 and m_on["bloomery_draft_accepted_total"] > 0
+    assert m_off["bloomery_draft_steps_total"] == 0
+    assert m_on["bloomery_decode_steps_total"] < m_off["bloomery_decode_steps_total"]
+    r = subprocess.run([sys.executable, "-m", "bloomery.cli", "serve", "-m", str(art), "-np", "2", "--draft", "ngram",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "-np 1 for drafts" in r.stderr, r.stderr
+
+
+def _scheduled(art, draft, jobs):
+    """In process: each (prompt ids, Params) through a one-slot Scheduler, in order; (ids, finish,
+    reused) of each, the slot's tokens after each, and the scheduler's counters."""
+    import threading
+
+    from bloomery.runtime import Engine
+    from bloomery.runtime.scheduler import Request, Scheduler
+    from bloomery.runtime.text import Text
+    eng = Engine(art, ctx=256, slots=1)
+    sch = Scheduler(eng, Text(eng.art, eng.eos_ids, eng.bos_id), draft=draft)
+    res, held = [], []
+    try:
+        for prompt, params in jobs:
+            done = threading.Event()
+            r = Request(list(prompt), params, on_event=lambda k, p, d=done: d.set() if k in ("done", "error") else None)
+            sch.submit(r)
+            assert done.wait(120) and r.finish in ("stop", "length"), r.finish
+            res.append((r.ids, r.finish, r.reused))
+            held.append(list(sch.slots[0].tokens))
+    finally:
+        sch.close()
+    return res, held, dict(sch.metrics)
+
+
+def test_a_draft_that_overruns_a_stop_keeps_the_state_snapshot_right(monkeypatch):
+    """The hybrid, one slot, drafts on: a request that stops (a stop token) inside a verify pass has
+    fed the drafts after it all the same; the slot's tokens list them and its end-of-reply snapshot is
+    the state after them, so a prompt that continues the slot resumes there with the reply of a cold
+    request. The draft here proposes the reply itself (so every pass keeps its drafts)."""
+    from bloomery.runtime import scheduler
+    from bloomery.runtime.scheduler import Params
+    art = artifact("tiny-qwen3_next/nvfp4")
+    p = [1] + list(range(40, 56)) * 3
+    plain = _scheduled(art, "off", [(p, Params(max_tokens=40))])[0][0][0]
+
+    class Reply:                                          # proposes the plain reply's next tokens
+        def follow(self, seq):
+            self.n = len(seq) - len(p)
+
+        def propose(self, k):
+            return plain[self.n:self.n + k]
+
+    monkeypatch.setattr(scheduler, "NgramDraft", Reply)
+    stop = plain[4]                                       # taken inside the first pass, 4 drafts in it
+    assert stop not in plain[:4]
+    first = (p, Params(max_tokens=40, stop_ids=(stop,)))
+    res, held, m = _scheduled(art, "ngram", [first])
+    assert res[0][0] == plain[:4] and res[0][1] == "stop"
+    assert len(held[0]) > len(p) + 4, "the pass fed no token past the stop"
+    nxt = held[0] + [7, 8, 9]                             # continues all the slot holds
+    warm, _, _ = _scheduled(art, "ngram", [first, (nxt, Params(max_tokens=16))])
+    cold, _, _ = _scheduled(art, "off", [(nxt, Params(max_tokens=16, cache_prompt=False))])
+    assert warm[1][2] == len(held[0]) and warm[1][0] == cold[0][0]

@@ -470,6 +470,47 @@ def measure_q8(limit: int | None = None, route: str = "auto", name: str = "smoll
     return m
 
 
+def measure_cache_types(types: Sequence[str] = ("f16", "bf16", "q8_0", "fp8"), only=None, limit: int | None = None,
+                        out=sys.stdout) -> dict:
+    """Each KV-cache type (runtime/kv_cache.py, --cache-type-k/-v, keys and values alike) against the
+    float32 cache, the NumPy executor on the same tp 1 artifact, over the gate prompt set of every
+    gated model (fp8 where the checkpoint has ModelOpt's k_scale / v_scale). Per type: the
+    positions, KL mean over them, KL max, the lowest argmax agreement of a model, and whether every
+    model stays inside the executor_vs_oracle bands (what the default must keep)."""
+    from bloomery.runtime import Engine
+    from bloomery.runtime.kv_cache import CacheTypeRefused
+    from bloomery.tools.models import model_dir
+
+    band = load_bands()["executor_vs_oracle"]
+    per: dict[str, list] = {t: [] for t in types}
+    for name in select(GATED, only):
+        art, seqs = artifact_for(name), sequences(model_dir(name), limit)
+        ctx = max(len(q.ids) for q in seqs)
+        ref = Engine(art, ctx=ctx)
+        refs = [executor_logits(ref, q.ids) for q in seqs]
+        for t in types:
+            try:
+                eng = Engine(art, ctx=ctx, cache_type_k=t, cache_type_v=t)
+            except CacheTypeRefused:
+                continue                                  # fp8 without the checkpoint's scales
+            m = compare(refs, [executor_logits(eng, q.ids) for q in seqs])
+            m["model"], m["inside_bands"] = name, not check(m, band)
+            per[t].append(m)
+            print(f"{name:<34} {t:<5} KL mean {m['kl_mean']:.2e} max {m['kl_max']:.2e} argmax "
+                  f"{m['argmax_agreement']:.4f}", file=out, flush=True)
+    res = {}
+    for t, rows in per.items():
+        if rows:
+            n = sum(r["positions"] for r in rows)
+            res[t] = {"models": len(rows), "positions": n,
+                      "kl_mean": sum(r["kl_mean"] * r["positions"] for r in rows) / n,
+                      "kl_max": max(r["kl_max"] for r in rows),
+                      "argmax_agreement_min": min(r["argmax_agreement"] for r in rows),
+                      "worst": max(rows, key=lambda r: r["kl_mean"])["model"],
+                      "inside_bands": all(r["inside_bands"] for r in rows)}
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bloomery.tools.gates", description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", help="model names, families or globs (tools/models.py names)")
@@ -479,7 +520,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--q8", action="store_true", help="measure the BLOOMERY_PREPARE_Q8 lever instead")
     ap.add_argument("--route", choices=("auto", "executor", "oracle"), default="auto", help="with --q8")
+    ap.add_argument("--cache-types", nargs="*", metavar="TYPE",
+                    help="measure these KV-cache types against f32 instead (f16 bf16 q8_0 fp8)")
     a = ap.parse_args(argv)
+    if a.cache_types is not None:
+        print(json.dumps(measure_cache_types(a.cache_types or ("f16", "bf16", "q8_0", "fp8"), a.only, a.limit),
+                         indent=2))
+        return 0
     if a.q8:
         m = measure_q8(a.limit, a.route)
         print(json.dumps(m, indent=2))
