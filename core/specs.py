@@ -55,10 +55,11 @@ A spec file holds:
                   writes them (attn_hc.fn) for the names save_pretrained writes (hc_attn_fn)
 
 A shared fragment: `"@include": NAME` as an entry of config or metadata, or `{"@include": NAME}`
-as an item of checks, stands for that section of specs/include/NAME.yaml, spliced in at that
-place (the order, and with it the artifact's bytes, as if its lines were written there; a name
-given twice is a SpecError). specs/include/rope_scaling.yaml: the rope and its llama3 / YaRN
-scaling, for llama, qwen2, qwen3 and qwen3_moe.
+as an item of checks or tensors, stands for that section of specs/include/NAME.yaml, spliced in
+at that place (the order, and with it the artifact's bytes, as if its lines were written there; a
+name given twice is a SpecError). specs/include/rope_scaling.yaml: the rope and its llama3 / YaRN
+scaling, for llama, qwen2, qwen3 and qwen3_moe; attention_bias.yaml: the optional q/k/v/o biases
+of llama, qwen3 and qwen3_moe.
 
 Implicit values (set by the planner from the checkpoint, not config.json): kv_cache_quant,
 true when the quantization config stores KV-cache scales (k_scale / v_scale); mtp, true when
@@ -536,11 +537,12 @@ def _splice(raw, where: str):
                         raise SpecError(f"{where}: {sec}.{kk} is given twice (the spec and a fragment)")
                     merged[kk] = vv
             out[sec] = merged
-    body = raw.get("checks")
-    if isinstance(body, list):
-        out["checks"] = [c for item in body for c in (
-            _need(frag(item[INCLUDE], "checks").get("checks") or [], list, where, "checks of a fragment")
-            if isinstance(item, dict) and set(item) == {INCLUDE} else [item])]
+    for sec in ("checks", "tensors"):
+        body = raw.get(sec)
+        if isinstance(body, list):
+            out[sec] = [c for item in body for c in (
+                _need(frag(item[INCLUDE], sec).get(sec) or [], list, where, f"{sec} of a fragment")
+                if isinstance(item, dict) and set(item) == {INCLUDE} else [item])]
     return out
 
 

@@ -289,3 +289,43 @@ def test_qwen3_moe_takes_rope_scaling(params, tmp_path):
     assert max(rel(x[i], ref[i]) for i in range(64)) < 1e-4
     assert np.array_equal(x.argmax(1), ref.argmax(1))
     assert max(rel(x[i], plain[i]) for i in range(16, 64)) > 1e-3        # past the original context it matters
+
+
+@pytest.mark.models
+def test_qwen3_moe_takes_attention_bias(tmp_path):
+    """Qwen3-MoE with attention_bias (q/k/v/o_proj biases, the spec fragment of the Llama-class
+    specs): the tiny export given random BF16 biases matches the f32 oracle of that folder, and the
+    biases change the logits."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from bloomery import runtime
+    from bloomery.compiler.prepare import prepare
+    from bloomery.tools import oracle
+
+    src = need("tiny-qwen3_moe/bf16")
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (folder / "config.json").write_text(json.dumps(cfg))
+    st = folder / "model.safetensors"
+    w = load_file(st)
+    rng = np.random.default_rng(5)
+    H, KV, D, hid = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]
+    import ml_dtypes
+    for b in range(cfg["num_hidden_layers"]):
+        for proj, n in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D), ("o_proj", hid)):
+            w[f"model.layers.{b}.self_attn.{proj}.bias"] = (rng.standard_normal(n) * 0.5).astype(
+                ml_dtypes.bfloat16).view(np.uint16).view(ml_dtypes.bfloat16)
+    save_file(w, st, metadata={"format": "pt"})
+    prepare(folder, tmp_path / "art", progress=False)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, 48)]
+    x = runtime.logits(tmp_path / "art", ids)
+    ref = oracle.logits(folder, ids, cache=False)
+    plain = runtime.logits(artifact("tiny-qwen3_moe/bf16"), ids)
+    assert max(rel(x[i], ref[i]) for i in range(48)) < 1e-4
+    assert np.array_equal(x.argmax(1), ref.argmax(1))
+    assert max(rel(x[i], plain[i]) for i in range(48)) > 1e-2
