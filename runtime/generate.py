@@ -101,7 +101,7 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
     if watch:
         watch(0, prompt_ids[1:] + [nxt], np.concatenate(hid), k_max)
     t1 = time.perf_counter()
-    steps, stop = 0, "length"
+    stop = "length"
     while True:
         if nxt in eos and not ignore_eos:
             stop = "eos"
@@ -134,7 +134,6 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
                 stats["verify_steps"] += 1
                 stats["drafted"] += len(drafts)
                 stats["accepted"] += a
-                steps += a + 1
                 drafter.extend(drafts[:a])
                 if watch:
                     watch(start, picks[:a + 1], eng.hidden("verify", a + 1), k_max)
@@ -143,7 +142,6 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
                 continue
         start = int(eng.lengths[0])
         logits_, greedy = eng.decode([nxt], logits=temperature > 0 or bool(masked))   # greedy: only the id
-        steps += 1
         nxt = pick(None if logits_ is None else logits_[0], greedy[0])
         if watch:
             watch(start, [nxt], eng.hidden("decode", 1), k_max)

@@ -109,3 +109,21 @@ def test_run_cache_type_flags():
     import os
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "BLOOMERY_CACHE_TYPE_V": "fp8"})
     assert r.returncode != 0 and "v_scale" in r.stderr, r.stderr       # the lever's variable is the default
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name,kind", [("tiny-qwen3_next/nvfp4", "q8_0"), ("tiny-llama/nvfp4_fp8kv", "fp8"),
+                                       ("tiny-glm4_moe-mtp/nvfp4", "bf16")])
+def test_drafts_stay_lossless_over_a_typed_cache(name, kind):
+    """A verify row writes and reads the typed cache as a decode step does: 96 greedy tokens with the
+    n-gram draft (and the MTP draft, whose layer's cache is typed too) equal plain decoding's."""
+    from bloomery.runtime import generate
+    from bloomery.runtime.draft import NgramDraft
+    eng = Engine(artifact(name), ctx=256, cache_type_k=kind, cache_type_v=kind)
+    ids = [1] + list(range(40, 72)) * 2
+    plain = generate(eng, ids=ids, max_tokens=96, ignore_eos=True)
+    spec = generate(eng, ids=ids, max_tokens=96, ignore_eos=True, draft=NgramDraft(min_n=1))
+    assert spec.token_ids == plain.token_ids and spec.extra["verify_steps"] > 0
+    if "mtp" in name:
+        assert isinstance(eng.exec.state[0]["kv.3.k"], KV.KvStore)          # the NextN layer's own cache
+        assert generate(eng, ids=ids, max_tokens=96, ignore_eos=True, draft="mtp").token_ids == plain.token_ids
