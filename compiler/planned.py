@@ -19,6 +19,9 @@ class PlannedTensor:
     sources: tuple[str, ...]        # the HF tensors it is made of (one per expert when stacked)
     cut: str                        # TP cut: "column", "row", "replicated" (experts: cut inside each expert)
     produce: Callable[[], dict[str, np.ndarray]]  # this rank's parts in `format` (core/formats/base.py)
+    # a table stored in pieces along axis 0 (qwen4_exp's n-gram tables): each piece's parts, in order,
+    # as stored (mmapped); the writer streams them one after another instead of joining them in memory
+    pieces: Callable[[], list[dict[str, np.ndarray]]] | None = None
 
 
 @dataclass

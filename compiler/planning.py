@@ -69,7 +69,8 @@ def plan(ckpt, tp: int = 1, env: Mapping[str, str] = os.environ, keep_bf16: bool
                                  optional=optional, sources=s.hf, cut=s.rule.cut,
                                  produce=slicing.producer(fmt, qts, s.rule.cut, rank, tp, s.rule.experts is not None,
                                                           fmt_out, f"{where}: {s.name}", shape == (1,), unit,
-                                                          joined=s.rule.shards is not None))
+                                                          joined=s.rule.shards is not None),
+                                 pieces=slicing.pieces(fmt, qts, fmt_out) if s.rule.shards is not None else None)
                    for s, (fmt, fmt_out, shape, optional, qts, unit) in zip(slots, rows)]
         out.append(RankPlan(rank, tp, planned, _metadata(ckpt, spec, values, tp, rank, q8)))
     return out

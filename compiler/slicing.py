@@ -103,6 +103,14 @@ def _unit_shape(a: np.ndarray) -> np.ndarray:
     return a.reshape(()) if a.ndim == 1 and a.shape == (1,) else a
 
 
+def pieces(fmt: formats.Format, qts: list, out_fmt: str) -> Callable[[], list] | None:
+    """The stored pieces of a joined table, for the writer to stream (None where they must be
+    rewritten first: a table the Q8_0 lever re-encodes, or a format with side tensors)."""
+    if out_fmt != fmt.name or fmt.name not in ("bf16", "f16", "f32"):
+        return None
+    return lambda: [qt.parts for qt in qts]
+
+
 def producer(fmt: formats.Format, experts: list, cut: str, rank: int, tp: int, stacked: bool,
              out_fmt: str, where: str, scalar: bool = False, unit: int | None = None,
              joined: bool = False) -> Callable[[], dict]:

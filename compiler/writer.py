@@ -460,20 +460,43 @@ class _Out:
         self.res.digests[shard] = {"bytes": self.pos, "header": self.header, "tensors": self.tensors}
 
 
+def _rows(pieces: list[dict], r0: int, r1: int) -> dict:
+    """Rows r0..r1 of a table held as pieces along axis 0 (only those rows read)."""
+    out, at = [], 0
+    for p in pieces:
+        w = p["weight"]
+        lo, hi = max(r0 - at, 0), min(r1 - at, w.shape[0])
+        if lo < hi:
+            out.append(np.asarray(w[lo:hi]))
+        at += w.shape[0]
+    return {"weight": np.concatenate(out)}
+
+
 def _write_tensor(out: _Out, t: PlannedTensor, expected, res: RankWrite, chunk_bytes: int):
     where = f"artifact tensor {t.name!r} ({', '.join(t.sources[:2])}{', ...' if len(t.sources) > 2 else ''})"
-    parts = t.produce()
     fmt = formats.get(t.format)
-    fmt.check(parts, where)
-    got_shape = tuple(fmt.shape(parts))
-    got_opt = tuple(k for k in ("input_scale", "pre_quant_scale") if k in parts)
+    pieces = t.pieces() if t.pieces is not None else None
+    if pieces is not None:                        # a table in pieces: streamed, never joined in memory
+        for p in pieces:
+            fmt.check(p, where)
+        shapes = [tuple(fmt.shape(p)) for p in pieces]
+        got_shape = (sum(x[0] for x in shapes), *shapes[0][1:])
+        got_opt = ()
+        if any(x[1:] != shapes[0][1:] for x in shapes):
+            got_shape = tuple(shapes)
+    else:
+        parts = t.produce()
+        fmt.check(parts, where)
+        got_shape = tuple(fmt.shape(parts))
+        got_opt = tuple(k for k in ("input_scale", "pre_quant_scale") if k in parts)
     if got_shape != tuple(t.shape) or set(got_opt) != set(t.optional):
         raise ArtifactMalformed(f"{where}: produce() gave {t.format} of shape {list(got_shape)} with "
                                 f"optional parts {list(got_opt)}; the plan says {list(t.shape)} with "
                                 f"{list(t.optional)}")
-    res.samples[t.name] = [(li, r0, r1, decoded_digest(fmt.decode(sample_parts(t.format, t.shape, parts, li, r0, r1),
-                                                                  check=False)))        # a cut of checked parts
-                           for li, r0, r1 in sample_windows(t.format, t.shape)]
+    windows = sample_windows(t.format, t.shape)
+    res.samples[t.name] = [(li, r0, r1, decoded_digest(fmt.decode(
+        _rows(pieces, r0, r1) if pieces is not None else sample_parts(t.format, t.shape, parts, li, r0, r1),
+        check=False))) for li, r0, r1 in windows]          # a cut of checked parts
     cur, h, n = None, None, 0
 
     def finish():
@@ -484,7 +507,9 @@ def _write_tensor(out: _Out, t: PlannedTensor, expected, res: RankWrite, chunk_b
                                     f"its header says {cur.nbytes}")
         out.end(cur.name, h)
 
-    for suffix, chunk in layout.iter_gguf(t.format, parts, chunk_bytes, where, checked=True):
+    chunks = (c for p in pieces for c in layout.iter_gguf(t.format, p, chunk_bytes, where, checked=True)) \
+        if pieces is not None else layout.iter_gguf(t.format, parts, chunk_bytes, where, checked=True)
+    for suffix, chunk in chunks:
         if cur is None or suffix != cur.suffix:
             finish()
             cur = next(expected)

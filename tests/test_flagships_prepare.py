@@ -64,6 +64,27 @@ def test_qwen4_ple_table_is_its_shards_joined(folders, tmp_path):
         assert art.tensors(0)[f"blk.{bid}.ple_table"].format == "bf16"
 
 
+def test_qwen4_ple_table_is_streamed_not_joined(folders, tmp_path, monkeypatch):
+    """The writer streams a table's pieces one after another: with the in-memory join of a joined
+    table made to fail, prepare still writes the same bytes (SHA256SUMS) as before."""
+    from bloomery.compiler import slicing
+    prepare.prepare(folders["qwen4_exp"], tmp_path / "a")
+    real, joined = slicing.producer, []
+
+    def no_join(*a, joined=False, **k):
+        if not joined:
+            return real(*a, **k)
+
+        def refuse():
+            joined.append(a[-1] if a else "?")
+            raise AssertionError("a joined table was concatenated in memory")
+        return refuse
+    monkeypatch.setattr(slicing, "producer", no_join)
+    prepare.prepare(folders["qwen4_exp"], tmp_path / "b")
+    assert not joined
+    assert (tmp_path / "a" / "SHA256SUMS").read_bytes() == (tmp_path / "b" / "SHA256SUMS").read_bytes()
+
+
 def test_qwen4_hash_buffers_are_checked(folders, tmp_path):
     bad = _copy(folders["qwen4_exp"], tmp_path / "ckpt")
     st = _tensors(bad)
