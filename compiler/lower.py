@@ -106,9 +106,8 @@ class _Decoder:
         self.forward(tokens)
         body = self.ops
         programs = {}
-        for prog, rows in {**P.PROGRAMS, "verify": "verify"}.items():        # the mtp program: mtp()
-            mode = {"mode": prog}
-            programs[prog] = {"rows": rows, "ops": [{**o, **mode} if o["op"] in self.MODED else o for o in body]}
+        for prog in ("decode", "prefill", "verify"):                         # the mtp program: mtp()
+            programs[prog] = {"rows": P.ALL_PROGRAMS[prog], "ops": self.moded(body, prog)}
         programs["verify"]["ops"] = [self.with_history(o) for o in programs["verify"]["ops"]]
         mtp = self.mtp(self.final_norm)
         if mtp is not None:
@@ -154,8 +153,11 @@ class _Decoder:
         self.op("rmsnorm", x=h, weight=names["norm"], out=xn, eps=self.eps, group=D, **self.norm_attrs)
         self.head(xn)
         ops, self.ops = self.ops, main
-        return {"rows": "ubatch", "hidden": hidden, "ops": [{**o, "mode": "mtp"} if o["op"] in self.MODED else o
-                                                             for o in ops]}
+        return {"rows": P.ALL_PROGRAMS["mtp"], "hidden": hidden, "ops": self.moded(ops, "mtp")}
+
+    def moded(self, ops: list, prog: str) -> list:
+        """The ops with the program's name as the `mode` attr of those that take one (a kernel hint)."""
+        return [{**o, "mode": prog} if o["op"] in self.MODED else o for o in ops]
 
     def with_history(self, op: dict) -> dict:
         """A recurrent state op of the verify program also writes the slot's state after each row."""

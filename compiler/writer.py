@@ -480,10 +480,9 @@ def _write_tensor(out: _Out, t: PlannedTensor, expected, res: RankWrite, chunk_b
         for p in pieces:
             fmt.check(p, where)
         shapes = [tuple(fmt.shape(p)) for p in pieces]
-        got_shape = (sum(x[0] for x in shapes), *shapes[0][1:])
+        got_shape = ((sum(x[0] for x in shapes), *shapes[0][1:]) if all(x[1:] == shapes[0][1:] for x in shapes)
+                     else tuple(shapes))                # pieces that do not stack: named in the error below
         got_opt = ()
-        if any(x[1:] != shapes[0][1:] for x in shapes):
-            got_shape = tuple(shapes)
     else:
         parts = t.produce()
         fmt.check(parts, where)

@@ -59,6 +59,22 @@ class OpSig:
     opt_writes: tuple[str, ...] = ()     # buffers written when the key is present (a state's `history`)
     opt_weights: tuple[str, ...] = ()    # artifact tensors read when the key is present (attention's k/v scales)
 
+    @property
+    def needed(self) -> tuple[str, ...]:
+        """The keys every such op holds."""
+        return (*self.reads, *self.writes, *self.state, *self.weights, *self.attrs)
+
+    @property
+    def may(self) -> tuple[str, ...]:
+        """The keys such an op may leave out."""
+        return (*self.optional, *self.opt_reads, *self.opt_writes, *self.opt_weights)
+
+    @property
+    def named(self) -> tuple[str, ...]:
+        """The keys whose values name a buffer or an artifact tensor."""
+        return (*self.reads, *self.writes, *self.state, *self.weights, *self.opt_reads, *self.opt_writes,
+                *self.opt_weights)
+
 
 OPS: dict[str, OpSig] = {
     "embed": OpSig(reads=("ids",), writes=("out",), weights=("weight",)),
@@ -144,7 +160,7 @@ def buffers_of(op: dict) -> list[str]:
 
 
 def programs_of(plan: dict) -> dict[str, str]:
-    """The programs a plan holds (name -> its rows symbol): decode and prefill, and verify when present."""
+    """The programs a plan holds (name -> its rows symbol): decode and prefill, verify and mtp where present."""
     return {p: r for p, r in ALL_PROGRAMS.items() if p in plan["programs"]}
 
 
@@ -192,14 +208,11 @@ def validate(plan: dict, where: str = "plan") -> None:
             sig = OPS.get(op.get("op"))
             if sig is None:
                 raise PlanInvalid(f"{at}: unknown op; this runtime knows {', '.join(OPS)}")
-            need = (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.attrs)
-            missing = [k for k in need if k not in op]
-            extra = [k for k in op if k != "op" and k not in need and k not in sig.optional
-                     and k not in sig.opt_reads and k not in sig.opt_writes and k not in sig.opt_weights]
+            missing = [k for k in sig.needed if k not in op]
+            extra = [k for k in op if k != "op" and k not in sig.needed and k not in sig.may]
             if missing or extra:
                 raise PlanInvalid(f"{at}: missing keys {missing}, unknown keys {extra}")
-            names = [op[k] for k in (*sig.reads, *sig.writes, *sig.state, *sig.weights, *sig.opt_reads,
-                                     *sig.opt_writes, *sig.opt_weights) if k in op]
+            names = [op[k] for k in sig.named if k in op]
             if not all(isinstance(n, str) for n in names):
                 raise PlanInvalid(f"{at}: a buffer or weight name is not a string: {names}")
             for b in buffers_of(op):

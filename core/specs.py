@@ -508,8 +508,8 @@ INCLUDE = "@include"          # a shared fragment (specs/include/<name>.yaml) sp
 
 def _splice(raw, where: str):
     """The spec with its includes spliced in: an `"@include": NAME` entry of config or metadata (or a
-    `{"@include": NAME}` item of checks) stands for that section of specs/include/NAME.yaml, at that
-    place, so that order (and with it the artifact's bytes) is as if the lines were written there."""
+    `{"@include": NAME}` item of checks or tensors) stands for that section of specs/include/NAME.yaml,
+    at that place, so that order (and with it the artifact's bytes) is as if the lines were written there."""
     if not isinstance(raw, dict):
         return raw
     frags: dict = {}
@@ -533,7 +533,7 @@ def _splice(raw, where: str):
                 items = _need(frag(v, sec).get(sec) or {}, dict, where, f"{sec} of fragment {v!r}").items() \
                     if k == INCLUDE else [(k, v)]
                 for kk, vv in items:
-                    if kk in merged or (k == INCLUDE and kk in body):
+                    if kk in merged:                      # the spec's key before or after the fragment's
                         raise SpecError(f"{where}: {sec}.{kk} is given twice (the spec and a fragment)")
                     merged[kk] = vv
             out[sec] = merged

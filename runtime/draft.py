@@ -23,7 +23,13 @@ import numpy as np
 
 from .errors import NoDraft
 
-DRAFTS = ("auto", "off", "ngram", "mtp")
+def accepted(drafts, picks) -> int:
+    """How many drafted tokens a verify pass keeps: those equal, in order, to the greedy pick of the
+    row before each (picks[i]: the choice after row i); picks[kept] is then the next token."""
+    a = 0
+    while a < len(drafts) and int(picks[a]) == drafts[a]:
+        a += 1
+    return a
 
 
 def has_mtp(art) -> bool:

@@ -85,6 +85,7 @@ class Engine:
                 f"in this version; use f32 on the GPU, or --device cpu")
         # the verify program (speculative decoding): on the NumPy executor, for plans that hold it
         self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and self.device == "cpu" else 0
+        self._verified: tuple = (None, 0)          # (slot, rows) of the verify pass accept() may keep
         if self.draft_max:
             symbols["verify"] = self.draft_max + 1
         if self.device == "cuda":
@@ -250,7 +251,7 @@ class Engine:
 
     def accept(self, keep: int, slot: int = 0) -> None:
         """After verify(): the slot keeps the first `keep` verified tokens (1..n)."""
-        vslot, n = getattr(self, "_verified", (None, 0))
+        vslot, n = self._verified
         if vslot != slot or not 1 <= keep <= n:
             raise ValueError(f"accept({keep}) of slot {slot} after a verify pass of {n} rows of slot {vslot}")
         if keep < n:

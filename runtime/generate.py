@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from .draft import MtpDraft, NgramDraft
+from .draft import MtpDraft, NgramDraft, accepted
 from .engine import Engine
 from .errors import NoDraft
 from .sampling import sample
@@ -127,9 +127,7 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
                 start = int(eng.lengths[0])
                 logits_, greedy = eng.verify([nxt, *drafts])
                 picks = [pick(logits_[i], greedy[i]) for i in range(len(drafts) + 1)]
-                a = 0
-                while a < len(drafts) and picks[a] == drafts[a]:
-                    a += 1
+                a = accepted(drafts, picks)
                 eng.accept(a + 1)
                 stats["verify_steps"] += 1
                 stats["drafted"] += len(drafts)

@@ -50,17 +50,12 @@ class NumpyExecutor:
         progs = {p: r for p, r in P.programs_of(plans[0]).items() if r in symbols}
         for prog, rows_sym in progs.items():
             bind = {**symbols, "rows": symbols[rows_sym]}
-            used = P.buffers_used(plans[0], prog) | {n for n, b in plans[0]["buffers"].items()
-                                                     if b["kind"] in ("input", "output")}
-            self.buffers[prog] = [{**st, **{n: np.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
-                                            for n, b in p["buffers"].items() if b["kind"] != "state" and n in used}}
-                                  for p, st in zip(plans, state)]
+            self.buffers[prog] = [{**st, **_program_buffers(p, prog, bind)} for p, st in zip(plans, state)]
             self.steps[prog], self.where[prog] = self._bind(prog, self.buffers[prog])
         if "verify" in self.buffers:
-            rowed = {n for n, b in plans[0]["buffers"].items() if b["shape"][:1] == ["rows"]}
             for r in range(symbols["verify"]):
-                views = [{n: (a[r:r + 1] if n in rowed else a) for n, a in bufs.items()}
-                         for bufs in self.buffers["verify"]]
+                views = [{n: (a[r:r + 1] if p["buffers"][n]["shape"][:1] == ["rows"] else a) for n, a in bufs.items()}
+                         for p, bufs in zip(plans, self.buffers["verify"])]
                 self.row_steps.append(self._bind("verify", views)[0])
         self.state = state
 
@@ -134,6 +129,13 @@ class NumpyExecutor:
         for st, d in zip(self.state, saved):
             for n, a in d.items():
                 st[n][slot] = a
+
+
+def _program_buffers(plan: dict, prog: str, bind: dict) -> dict[str, np.ndarray]:
+    """A program's own buffers: the inputs and outputs, and the scratch its ops name."""
+    used = P.buffers_used(plan, prog)
+    return {n: np.zeros(P.shape(b, bind), DTYPES[b["dtype"]]) for n, b in plan["buffers"].items()
+            if b["kind"] in ("input", "output") or (b["kind"] == "scratch" and n in used)}
 
 
 def _check_lockstep(plans: list[dict]) -> None:

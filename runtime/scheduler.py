@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .draft import NgramDraft
+from .draft import NgramDraft, accepted
 from .engine import Engine
 from .errors import PromptTooLong, RuntimeRefusal
 from .sampling import sample
@@ -297,9 +297,7 @@ class Scheduler:
             return False
         t0 = time.perf_counter()
         _, greedy = self.eng.verify([s.next, *drafts], slot=s.index)
-        a = 0
-        while a < len(drafts) and int(greedy[a]) == drafts[a]:
-            a += 1
+        a = accepted(drafts, greedy)
         self.eng.accept(a + 1, slot=s.index)
         m = self.metrics
         m["decode_steps"] += 1

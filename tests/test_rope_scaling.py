@@ -259,6 +259,42 @@ def test_cuda_matches_numpy_with_scaling_and_biases(name):
                          runtime.Engine(art, device="cpu", ctx=128, ubatch=16))
 
 
+def _qwen3_moe_variant(tmp_path, config: dict, weights=None):
+    """tiny-qwen3_moe/bf16 copied with `config` merged into config.json and `weights(cfg, tensors)`
+    adding tensors; prepared. Returns (folder, artifact)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from bloomery.compiler.prepare import prepare
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(need("tiny-qwen3_moe/bf16"), folder)
+    cfg = {**json.loads((folder / "config.json").read_text()), **config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if weights is not None:
+        st = folder / "model.safetensors"
+        w = load_file(st)
+        weights(cfg, w)
+        save_file(w, st, metadata={"format": "pt"})
+    prepare(folder, tmp_path / "art", progress=False)
+    return folder, tmp_path / "art"
+
+
+def _against_oracle(folder, art, n: int):
+    """Teacher-forced logits of n random ids: the artifact's, the f32 oracle's of `folder`, and the
+    unchanged tiny-qwen3_moe/bf16's; the first two agree (relative L2 < 1e-4, argmax equal)."""
+    from bloomery import runtime
+    from bloomery.tools import oracle
+
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, n)]
+    x, ref = runtime.logits(art, ids), oracle.logits(folder, ids, cache=False)
+    assert max(rel(x[i], ref[i]) for i in range(n)) < 1e-4
+    assert np.array_equal(x.argmax(1), ref.argmax(1))
+    return x, runtime.logits(artifact("tiny-qwen3_moe/bf16"), ids)
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("params", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -269,25 +305,8 @@ def test_qwen3_moe_takes_rope_scaling(params, tmp_path):
     the one every Llama-class spec splices in) matches the f32 oracle of that folder, and differs
     from the unscaled model's logits."""
     import json
-    import shutil
-
-    from bloomery import runtime
-    from bloomery.compiler.prepare import prepare
-    from bloomery.tools import oracle
-
-    src = need("tiny-qwen3_moe/bf16")
-    folder = tmp_path / "ckpt"
-    shutil.copytree(src, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {**cfg.get("rope_parameters", {}), **params}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    prepare(folder, tmp_path / "art", progress=False)
-    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, 64)]
-    x = runtime.logits(tmp_path / "art", ids)
-    ref = oracle.logits(folder, ids, cache=False)
-    plain = runtime.logits(artifact("tiny-qwen3_moe/bf16"), ids)
-    assert max(rel(x[i], ref[i]) for i in range(64)) < 1e-4
-    assert np.array_equal(x.argmax(1), ref.argmax(1))
+    base = json.loads((need("tiny-qwen3_moe/bf16") / "config.json").read_text()).get("rope_parameters", {})
+    x, plain = _against_oracle(*_qwen3_moe_variant(tmp_path, {"rope_parameters": {**base, **params}}), 64)
     assert max(rel(x[i], plain[i]) for i in range(16, 64)) > 1e-3        # past the original context it matters
 
 
@@ -296,36 +315,13 @@ def test_qwen3_moe_takes_attention_bias(tmp_path):
     """Qwen3-MoE with attention_bias (q/k/v/o_proj biases, the spec fragment of the Llama-class
     specs): the tiny export given random BF16 biases matches the f32 oracle of that folder, and the
     biases change the logits."""
-    import json
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from bloomery import runtime
-    from bloomery.compiler.prepare import prepare
-    from bloomery.tools import oracle
-
-    src = need("tiny-qwen3_moe/bf16")
-    folder = tmp_path / "ckpt"
-    shutil.copytree(src, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["attention_bias"] = True
-    (folder / "config.json").write_text(json.dumps(cfg))
-    st = folder / "model.safetensors"
-    w = load_file(st)
-    rng = np.random.default_rng(5)
-    H, KV, D, hid = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]
     import ml_dtypes
-    for b in range(cfg["num_hidden_layers"]):
-        for proj, n in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D), ("o_proj", hid)):
-            w[f"model.layers.{b}.self_attn.{proj}.bias"] = (rng.standard_normal(n) * 0.5).astype(
-                ml_dtypes.bfloat16).view(np.uint16).view(ml_dtypes.bfloat16)
-    save_file(w, st, metadata={"format": "pt"})
-    prepare(folder, tmp_path / "art", progress=False)
-    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, 48)]
-    x = runtime.logits(tmp_path / "art", ids)
-    ref = oracle.logits(folder, ids, cache=False)
-    plain = runtime.logits(artifact("tiny-qwen3_moe/bf16"), ids)
-    assert max(rel(x[i], ref[i]) for i in range(48)) < 1e-4
-    assert np.array_equal(x.argmax(1), ref.argmax(1))
+
+    def biases(cfg, w):
+        rng = np.random.default_rng(5)
+        H, KV, D, hid = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]
+        for b in range(cfg["num_hidden_layers"]):
+            for proj, n in (("q_proj", H * D), ("k_proj", KV * D), ("v_proj", KV * D), ("o_proj", hid)):
+                w[f"model.layers.{b}.self_attn.{proj}.bias"] = (rng.standard_normal(n) * 0.5).astype(ml_dtypes.bfloat16)
+    x, plain = _against_oracle(*_qwen3_moe_variant(tmp_path, {"attention_bias": True}, biases), 48)
     assert max(rel(x[i], plain[i]) for i in range(48)) > 1e-2

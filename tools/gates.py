@@ -470,7 +470,7 @@ def measure_q8(limit: int | None = None, route: str = "auto", name: str = "smoll
     return m
 
 
-def measure_cache_types(types: Sequence[str] = ("f16", "bf16", "q8_0", "fp8"), only=None, limit: int | None = None,
+def measure_cache_types(types: Sequence[str] | None = None, only=None, limit: int | None = None,
                         out=sys.stdout) -> dict:
     """Each KV-cache type (runtime/kv_cache.py, --cache-type-k/-v, keys and values alike) against the
     float32 cache, the NumPy executor on the same tp 1 artifact, over the gate prompt set of every
@@ -478,8 +478,10 @@ def measure_cache_types(types: Sequence[str] = ("f16", "bf16", "q8_0", "fp8"), o
     positions, KL mean over them, KL max, the lowest argmax agreement of a model, and whether every
     model stays inside the executor_vs_oracle bands (what the default must keep)."""
     from bloomery.runtime import Engine
-    from bloomery.runtime.kv_cache import CacheTypeRefused
+    from bloomery.runtime.kv_cache import TYPES, CacheTypeRefused
     from bloomery.tools.models import model_dir
+
+    types = types or [t for t in TYPES if t != "f32"]
 
     band = load_bands()["executor_vs_oracle"]
     per: dict[str, list] = {t: [] for t in types}
@@ -521,11 +523,10 @@ def main(argv=None) -> int:
     ap.add_argument("--q8", action="store_true", help="measure the BLOOMERY_PREPARE_Q8 lever instead")
     ap.add_argument("--route", choices=("auto", "executor", "oracle"), default="auto", help="with --q8")
     ap.add_argument("--cache-types", nargs="*", metavar="TYPE",
-                    help="measure these KV-cache types against f32 instead (f16 bf16 q8_0 fp8)")
+                    help="measure these KV-cache types against f32 instead (none given: every one)")
     a = ap.parse_args(argv)
     if a.cache_types is not None:
-        print(json.dumps(measure_cache_types(a.cache_types or ("f16", "bf16", "q8_0", "fp8"), a.only, a.limit),
-                         indent=2))
+        print(json.dumps(measure_cache_types(a.cache_types, a.only, a.limit), indent=2))
         return 0
     if a.q8:
         m = measure_q8(a.limit, a.route)
