@@ -444,7 +444,8 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
         raise click.BadParameter("0 generates nothing; give a count, or -1 for until EOS or the context's end",
                                  param_hint="--max-tokens")
     t0 = time.perf_counter()
-    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads, check=check, draft_max=draft_max,
+    eng = Engine(artifact, device=device, ctx=ctx_size, threads=threads, check=check,
+                 draft_max=0 if draft == "off" or temperature > 0 else draft_max,   # verify bound only if it may draft
                  cache_type_k=cache_type_k, cache_type_v=cache_type_v)
     load_s = time.perf_counter() - t0
     draft, why = drafts.choose(eng, draft, temperature)

@@ -80,14 +80,18 @@ def open_model(s: Settings):
 def load(s: Settings):
     """(engine, text, the start line)."""
     from bloomery.runtime import Engine
+    from bloomery.runtime.engine import DEFAULT_DRAFT_MAX
     from bloomery.runtime import device as devices
     from bloomery.runtime.text import Text
     t0 = time.perf_counter()
     art = open_model(s)
     dev = devices.resolve(s.device)
     ub = s.ubatch or (512 if dev == "cuda" else 64)
+    # the verify program is bound (graphs captured on the GPU) only where a slot may draft: -np 1
+    drafts_here = s.draft != "off" and s.parallel == 1
     eng = Engine(art, device=s.device, ctx=s.ctx, slots=s.parallel, ubatch=ub, threads=s.threads,
-                 cache_type_k=s.cache_types[0], cache_type_v=s.cache_types[1])
+                 cache_type_k=s.cache_types[0], cache_type_v=s.cache_types[1],
+                 draft_max=DEFAULT_DRAFT_MAX if drafts_here else 0)
     text = Text(eng.art, eng.eos_ids, eng.bos_id)
     from bloomery.runtime import draft as drafts
     if s.draft not in ("auto", "off", "ngram"):

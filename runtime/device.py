@@ -59,12 +59,15 @@ def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int]) -> dict
     """What a rank's plan puts on the GPU, at least (the CUDA executor's allocations): the GGUF bytes
     of every tensor a device op reads (host ops' tables stay in the mmapped artifact) and every
     buffer at its bound shape (the state once, host ops' states left out; each program's others)."""
-    host_ops = [op for prog in P.PROGRAMS for op in plan["programs"][prog]["ops"] if P.OPS[op["op"]].host]
+    host_ops = [op for prog in P.programs_of(plan) for op in plan["programs"][prog]["ops"] if P.OPS[op["op"]].host]
     tables = {op[k] for op in host_ops for k in P.OPS[op["op"]].weights}
     host_state = {op[k] for op in host_ops for k in P.OPS[op["op"]].state}
     weights = sum(int(table[n].nbytes) for n in P.weights_of(plan) if n not in tables)
     bufs = 0
-    for prog, rows in P.PROGRAMS.items():
+    progs = dict(P.PROGRAMS)
+    if "verify" in plan["programs"] and symbols.get("verify"):     # bound where the engine drafts
+        progs["verify"] = "verify"
+    for prog, rows in progs.items():
         bind = {**symbols, "rows": symbols[rows]}
         used = P.buffers_used(plan, prog)
         bufs += sum(int(np.prod(P.shape(b, bind))) for n, b in plan["buffers"].items()

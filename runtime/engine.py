@@ -83,9 +83,12 @@ class Engine:
             raise kv_cache.CacheTypeRefused(
                 f"--cache-type-k {cache_type_k} --cache-type-v {cache_type_v}: the CUDA kernels read a float32 KV cache "
                 f"in this version; use f32 on the GPU, or --device cpu")
-        # the verify program (speculative decoding): on the NumPy executor, for plans that hold it
-        self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and self.device == "cpu" else 0
+        # the verify program (speculative decoding), for plans that hold it: the NumPy executor, and the
+        # CUDA executor at tp 1 (a graph per drafted-token count)
+        self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and (
+            self.device == "cpu" or self.art.tp == 1) else 0
         self._verified: tuple = (None, 0)          # (slot, rows) of the verify pass accept() may keep
+        self._draft_asked = int(draft_max)
         if self.draft_max:
             symbols["verify"] = self.draft_max + 1
         if self.device == "cuda":
@@ -223,12 +226,12 @@ class Engine:
             return out[-1][-1]
         return np.concatenate(out) if out else np.zeros((0, self.vocab_size), np.float32)
 
-    def verify(self, tokens: Sequence[int], slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def verify(self, tokens: Sequence[int], slot: int = 0, logits: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
         """One verify pass (speculative decoding): tokens (the slot's next token, then drafted ones)
         at the slot's next positions, each row computed as a one-row decode step would compute it.
         Returns the logits [n, vocab] and greedy next ids [n] of the rows; the slot's length is not
         advanced: accept(k) keeps the first k rows (KV rows past them are never read; the recurrent
-        states go back to the k-th row's)."""
+        states go back to the k-th row's). logits=False: only the ids (on the GPU the logits stay there)."""
         if not self.draft_max:
             raise NoVerifyProgram(self._no_verify_why())
         a = self.check_ids(tokens)
@@ -245,24 +248,27 @@ class Engine:
         pos = np.full(R, -1, np.int32)
         pos[:n] = np.arange(L, L + n)
         res = self._run("verify", {"tokens": tok, "positions": pos, "slot_ids": np.full(R, slot, np.int32)},
-                        ("logits", "next_token"), rows=(0, n))
+                        ("logits", "next_token") if logits else ("next_token",), rows=(0, n))
         self._verified = (slot, n)
-        return res["logits"].copy(), res["next_token"].astype(np.int64)
+        return (res["logits"].copy() if logits else None), res["next_token"].astype(np.int64)
 
     def accept(self, keep: int, slot: int = 0) -> None:
         """After verify(): the slot keeps the first `keep` verified tokens (1..n)."""
         vslot, n = self._verified
         if vslot != slot or not 1 <= keep <= n:
             raise ValueError(f"accept({keep}) of slot {slot} after a verify pass of {n} rows of slot {vslot}")
-        if keep < n:
+        if keep < n or self.device == "cuda":      # the CUDA graph restored the greedy rule's rows already
             self.exec.keep(slot, keep - 1)
         self.lengths[slot] += keep
         self._verified = (None, 0)
 
     def hidden(self, prog: str, n: int) -> np.ndarray:
         """The first n rows of the main model's final-norm output in the last run of `prog` (what the
-        MTP layer drafts from; the NumPy executor's buffer)."""
-        return self.exec.buffers[prog][0][self.plans[0]["programs"]["mtp"]["hidden"]][:n].copy()
+        MTP layer drafts from), copied to the host."""
+        name = self.plans[0]["programs"]["mtp"]["hidden"]
+        if self.device == "cuda":
+            return self.exec.buffers[prog][name][:n].get()
+        return self.exec.buffers[prog][0][name][:n].copy()
 
     def mtp(self, tokens: Sequence[int], positions: Sequence[int], hidden: np.ndarray, slot: int = 0):
         """One run of the plan's mtp program (the MTP / NextN layer) over up to ubatch rows of a slot:
@@ -285,8 +291,11 @@ class Engine:
         if "verify" not in self.plans[0]["programs"]:
             return (f"{self.art.path}: its plan holds no verify program (prepared by an older bloomery); "
                     f"re-prepare it for speculative decoding (--draft)")
-        return (f"{self.art.path}: the verify step runs on the NumPy executor only in this version (--device cpu); "
-                f"the CUDA executor decodes without a draft (--draft off)")
+        if not self._draft_asked:
+            return f"{self.art.path}: this engine was opened without a verify program (draft_max 0)"
+        return (f"{self.art.path}: tp={self.art.tp}: the verify step runs on the NumPy executor and on one GPU in "
+                f"this version (--device cpu, or prepare with --tp 1); these GPU ranks decode without a draft "
+                f"(--draft off)")
 
     def _run(self, prog: str, inputs: dict, want: tuple, rows: tuple | None = None):
         """The executor's run; the CUDA executors copy back only the outputs in `want`, and with

@@ -125,8 +125,8 @@ def generate(artifact, prompt: str | None = None, *, ids: list[int] | None = Non
             drafts = drafter.propose(min(k_max, room, left))
             if drafts:
                 start = int(eng.lengths[0])
-                logits_, greedy = eng.verify([nxt, *drafts])
-                picks = [pick(logits_[i], greedy[i]) for i in range(len(drafts) + 1)]
+                logits_, greedy = eng.verify([nxt, *drafts], logits=bool(masked))   # greedy: only the ids
+                picks = [pick(None if logits_ is None else logits_[i], greedy[i]) for i in range(len(drafts) + 1)]
                 a = accepted(drafts, picks)
                 eng.accept(a + 1)
                 stats["verify_steps"] += 1

@@ -296,7 +296,7 @@ class Scheduler:
         if not drafts:
             return False
         t0 = time.perf_counter()
-        _, greedy = self.eng.verify([s.next, *drafts], slot=s.index)
+        _, greedy = self.eng.verify([s.next, *drafts], slot=s.index, logits=False)
         a = accepted(drafts, greedy)
         self.eng.accept(a + 1, slot=s.index)
         m = self.metrics

@@ -27,7 +27,7 @@ def test_device_resolution():
 
 
 def test_cuda_modules_import_without_cupy():
-    from bloomery.runtime.cuda import executor, gemm, gemm_src, gemv, ops, ops_src   # noqa: F401
+    from bloomery.runtime.cuda import executor, gemm, gemm_src, gemv, ops, ops_src, verify_keep   # noqa: F401
     assert "attention_k" in ops_src.SOURCE and "gemv_plain_e" in gemv.kernel_name("mxfp8", 4, 1, 1, 4, experts=True)
     assert "attn_chunk_k" in ops_src.SOURCE and "deq_nvfp4_ggml_k" in gemm_src.SOURCE
     assert set(gemm.MODES) == {"bf16", "bf16x2"}

@@ -77,6 +77,25 @@ def test_gemv_matches_float64(fmt, shape):
     check(lin, W, 2, rng, accumulate=True)
 
 
+@pytest.mark.parametrize("shape", [(1536, 576), (257, 4096), (4096, 4096), (1024, 14336)])
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
+def test_gemv_one_launch_rows_equal_one_row_launches(fmt, shape):
+    """launch(..., one=True) (the verify program's linears): each of nb rows bit-equal to a launch of
+    that row alone, the weight read once for all of them."""
+    rng = np.random.default_rng(zlib.crc32(repr(("one", fmt, shape)).encode()))
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    W, arrays = artifact(f, shape, rng, stored_nvfp4=fmt == "nvfp4_stored")
+    lin = G.Linear(f, shape, {k: cp.asarray(v) for k, v in arrays.items()})
+    for nb in (2, 3, 5, 8):
+        x = cp.asarray(rng.standard_normal((nb, shape[1])).astype(np.float32))
+        y = cp.full((nb, shape[0]), cp.nan, dtype=cp.float32)
+        lin.launch(x, y, nb, one=True)
+        for b in range(nb):
+            y1 = cp.full((1, shape[0]), cp.nan, dtype=cp.float32)
+            lin.launch(x[b:b + 1], y1, 1)
+            assert cp.array_equal(y[b], y1[0]), f"{fmt} {shape}: row {b} of {nb} differs from its 1-row launch"
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0] + [(16, 14336)])
 def test_gemv_nvfp4_tensor_cores(shape):
     """gemv_nvfp4_mma (batch 1; larger batches fall back to the CUDA-core kernel): x split into f16

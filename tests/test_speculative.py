@@ -26,13 +26,19 @@ def test_ngram_draft_is_lossless(name):
     """256 greedy tokens (EOS masked, so that all 256 are decoded) with the n-gram draft equal
     the tokens without a draft, and the draft was used (down to 1-grams: a random tiny model may
     repeat no pair of tokens in 256)."""
-    eng = Engine(artifact(name), ctx=512)
-    plain = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True)
-    spec = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True, draft=NgramDraft(max_n=4, min_n=1))
-    assert len(plain.token_ids) == 256
+    draft_is_lossless(Engine(artifact(name), ctx=512), name, NgramDraft(max_n=4, min_n=1))
+
+
+def draft_is_lossless(eng, name: str, draft, steps: int = 256) -> dict:
+    """`steps` greedy tokens of PROMPT (EOS masked) with `draft` equal plain decoding's on `eng`, and
+    the draft was used (tests/test_cuda_speculative.py runs it on the GPU). Returns the draft's stats."""
+    plain = generate(eng, ids=PROMPT, max_tokens=steps, ignore_eos=True)
+    spec = generate(eng, ids=PROMPT, max_tokens=steps, ignore_eos=True, draft=draft)
+    assert len(plain.token_ids) == steps
     first = next((i for i, (a, b) in enumerate(zip(spec.token_ids, plain.token_ids)) if a != b), None)
     assert spec.token_ids == plain.token_ids, f"{name}: tokens differ from plain decoding at index {first}"
     assert spec.extra["verify_steps"] > 0 and spec.extra["drafted"] > 0, spec.extra
+    return spec.extra
 
 
 class Planted:
@@ -54,15 +60,13 @@ class Planted:
         return d
 
 
-@pytest.mark.models
-@pytest.mark.parametrize("name", ("tiny-llama/nvfp4", "tiny-qwen3_moe/fp8", "tiny-glm4_moe/nvfp4") + STATEFUL)
-def test_verify_rows_equal_decode_steps(name):
-    """Verify passes of planted drafts: the logits of every row up to the first rejected one equal
-    the plain decode step's logits at that position bit for bit, and the tokens are plain decoding's."""
-    eng = Engine(artifact(name), ctx=256)
+def verify_rows_equal_decode_steps(eng, name: str, steps: int = 64) -> dict:
+    """Verify passes of planted drafts on `eng`: the logits of every row up to the first rejected one
+    equal the plain decode step's logits at that position bit for bit, and the tokens are plain
+    decoding's. Returns the pass counts (tests/test_cuda_speculative.py runs it on the GPU)."""
     row = eng.prefill(PROMPT, last_only=True)
     ref, logits = [int(np.argmax(row))], []
-    for _ in range(64):
+    for _ in range(steps):
         lg, nx = eng.decode([ref[-1]])
         logits.append(lg[0])
         ref.append(int(nx[0]))
@@ -71,9 +75,9 @@ def test_verify_rows_equal_decode_steps(name):
     draft = Planted(ref, eng.vocab_size, seed=len(name))
     draft.extend(PROMPT)
     n, passes, rejected = 0, 0, 0                    # ref[n] is the next token to feed
-    while n < 64:
+    while n < steps:
         draft.extend([ref[n]])
-        d = draft.propose(min(eng.draft_max, 64 - n - 1))
+        d = draft.propose(min(eng.draft_max, steps - n - 1))
         lg, nx = eng.verify([ref[n], *d])
         a = 0
         while a < len(d) and int(nx[a]) == d[a]:
@@ -81,12 +85,22 @@ def test_verify_rows_equal_decode_steps(name):
         for i in range(a + 1):
             assert np.array_equal(lg[i], logits[n + i]), f"{name}: verify row {i} at token {n + i}"
             assert int(nx[i]) == ref[n + i + 1]
+        kept = getattr(eng.exec, "verified_keep", None)      # the CUDA executor decides it on the device
+        assert kept is None or kept == a + 1, f"{name}: the device kept {kept} rows, the greedy rule {a + 1}"
         eng.accept(a + 1)
         draft.extend(d[:a])
         passes += 1
         rejected += a < len(d)
         n += a + 1
-    assert passes < 64 and rejected > 5, (passes, rejected)
+    assert passes < steps and rejected > 5, (passes, rejected)
+    return {"passes": passes, "rejected": rejected}
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", ("tiny-llama/nvfp4", "tiny-qwen3_moe/fp8", "tiny-glm4_moe/nvfp4") + STATEFUL)
+def test_verify_rows_equal_decode_steps(name):
+    """Every kept verify row equals the one-row decode step, bit for bit (verify_rows_equal_decode_steps)."""
+    verify_rows_equal_decode_steps(Engine(artifact(name), ctx=256), name)
 
 
 def test_ngram_draft_proposes_the_latest_longest_match():
@@ -170,10 +184,8 @@ def test_mtp_draft_is_lossless(name):
     """256 greedy tokens with the MTP draft (random-weight layers: its acceptance is noise) equal
     plain decoding's; every step after the prompt is a verify pass of drafted tokens."""
     eng = Engine(artifact(name), ctx=512)
-    plain = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True)
-    spec = generate(eng, ids=PROMPT, max_tokens=256, ignore_eos=True, draft="mtp")
-    assert spec.token_ids == plain.token_ids
-    assert spec.extra["verify_steps"] >= 256 // (eng.draft_max + 1) and spec.extra["drafted"] > 0, spec.extra
+    x = draft_is_lossless(eng, name, "mtp")
+    assert x["verify_steps"] >= 256 // (eng.draft_max + 1), x
 
 
 @pytest.mark.models

@@ -352,6 +352,58 @@ def bench_slots(art: Path, slots: int, context: int, steps: int = 32) -> dict:
             "groups": {k: round(v[0], 4) for k, v in grouped(prof).items()}}
 
 
+def bench_verify(art: Path, k_max: int = 4, context: int = 512, rounds: int = 3, reps: int = 30) -> dict:
+    """The verify program's cost (speculative decoding): the graph of r = k + 1 rows of one slot
+    (k drafted tokens, k = 0..k_max) against the 1-row decode graph, both replayed `reps` times
+    back to back at a slot holding `context` keys, in `rounds` alternating rounds (the median); and
+    the host's view: Engine.verify + accept of k + 1 tokens against Engine.decode of one."""
+    import cupy as cp
+
+    from bloomery.runtime import Engine
+    eng = Engine(art, device="cuda", ctx=context + 64, draft_max=k_max, ubatch=min(512, context))
+    ex = eng.exec
+    rng = np.random.default_rng(0)
+    row = eng.prefill([int(i) for i in rng.integers(0, eng.vocab_size, context)], last_only=True)
+    tok = int(np.argmax(row))
+    s = ex.stream
+
+    def timed(key) -> float:
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        for _ in range(reps):
+            ex.graph[key].launch(s)
+        e1.record(s)
+        e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps
+
+    def host(r: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if r == 0:
+                eng.decode([tok], logits=False)
+                eng.lengths[0] -= 1          # stay at the same position: the same attention length
+            else:
+                eng.verify([tok] * r, logits=False)
+                eng.accept(1)
+                eng.lengths[0] -= 1
+        return (time.perf_counter() - t0) / reps
+
+    keys = ["decode"] + [("verify", r) for r in range(1, k_max + 2)]
+    dev = {str(k): [] for k in keys}
+    hst = {str(k): [] for k in keys}
+    for _ in range(rounds):
+        for k in keys:
+            r = 0 if k == "decode" else k[1]
+            hst[str(k)].append(host(r))           # also sets the graph's inputs (positions) for the replay
+            dev[str(k)].append(timed(k))
+    med = {k: float(np.median(v)) for k, v in dev.items()}
+    medh = {k: float(np.median(v)) for k, v in hst.items()}
+    one = med["decode"]
+    return {"context": context, "graph_s": med, "host_s": medh,
+            "x_decode": {k: round(v / one, 3) for k, v in med.items()},
+            "host_x_decode": {k: round(v / medh["decode"], 3) for k, v in medh.items()}}
+
+
 def bench_prefill(art: Path, n: int, mode: str | None = None) -> dict:
     """One prompt of n tokens in one chunk (ubatch n): the prefill program's graph replayed (device
     time), the end-to-end Engine.prefill (host included), the useful FLOPs (linears, experts, head,
@@ -486,8 +538,16 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", nargs="*", type=int, default=[],
                     help="also time decode steps of these many slots (rows), each holding --slot-context keys")
     ap.add_argument("--slot-context", type=int, default=512)
+    ap.add_argument("--batches", default=None, metavar="1,2,4,8",
+                    help="the GEMV kernels' row-count buckets (runtime/cuda/gemv.py BATCHES; to compare with another set)")
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="also time the verify graphs of 1..K+1 rows against the 1-row decode step (speculative decoding)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.batches:
+        from bloomery.runtime.cuda import gemv as G
+        G.BATCHES = tuple(int(b) for b in a.batches.split(","))
+        log(f"GEMV row buckets: {G.BATCHES}")
     from bloomery.tools import synthetic
     layers = {k: int(v) for k, v in (x.split("=") for x in a.layers)}
     ple = {s: a.ple_rows if "ngram_base" in synthetic.SHAPES.get(s, {}) else None for s in a.shapes}
@@ -547,6 +607,13 @@ def main(argv=None) -> int:
                 rows.append(r)
                 continue
             r.update(bench_cuda(art, a.steps))
+            if a.verify:
+                free_gpu()
+                r["verify"] = bench_verify(art, a.verify, a.slot_context)
+                log(json.dumps(r["verify"]))
+                v = r["verify"]
+                log(f"{shape}: verify graph / 1-row decode graph: " + ", ".join(
+                    f"{k} {x:.3f}x" for k, x in v["x_decode"].items()) + f" (decode {v['graph_s']['decode'] * 1e3:.3f} ms)")
             if a.slots:
                 free_gpu()
                 r["slot_runs"] = []

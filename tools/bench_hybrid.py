@@ -52,8 +52,8 @@ INSTANCES = {
 SIGS = {
     "gated_delta_k": "(const float *__restrict__, const float *__restrict__, const float *__restrict__, "
                      "const int *__restrict__, const int *__restrict__, const float *__restrict__, "
-                     "const float *__restrict__, float *__restrict__, float *__restrict__, int, int, int, int, int, "
-                     "int, float)",
+                     "const float *__restrict__, float *__restrict__, float *__restrict__, float *__restrict__, int, "
+                     "int, int, int, int, int, float)",
     "gated_delta_run_k": "(const float *__restrict__, const float *__restrict__, const float *__restrict__, "
                          "const int *__restrict__, const int *__restrict__, float *__restrict__, float *__restrict__, "
                          "int, int, int, int, int, int, const int *__restrict__)",
@@ -61,7 +61,7 @@ SIGS = {
                              "const float *__restrict__, const int *__restrict__, float *__restrict__, "
                              "float *__restrict__, int, int, int, int)",
     "causal_conv1d_k": "(const float *, float *, const int *__restrict__, const int *__restrict__, "
-                     "const float *__restrict__, float *__restrict__, int, int, int)",
+                     "const float *__restrict__, float *__restrict__, float *__restrict__, int, int, int)",
 }
 
 

@@ -41,12 +41,15 @@ def kernel_name(G: int, D: int) -> str:
     return f"attention_decode_k<{-(-D // 32)}, {4 if hpw == 3 else hpw}>"
 
 
-def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132):
+def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
+         split_rows: int | None = None):
+    """split_rows: the row count the context splits are chosen for (default rows; the verify program
+    passes 1, so each row is split, summed and merged as a one-row decode step does it)."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
     ctx = int(ck.shape[1])
-    G, S = H // KV, splits(KV, rows, ctx, sms)
+    G, S = H // KV, splits(KV, split_rows or rows, ctx, sms)
     kern = cu.kernel("attention_decode", kernel_name(G, D))
     smem = smem_bytes(G, D)
     if smem > 48 * 1024:

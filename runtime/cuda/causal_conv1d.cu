@@ -14,6 +14,7 @@
 // new sequence (zero window); a row whose position is negative or whose slot is outside [0, slots)
 // is inactive: zeros out (written by the threads of slot row % slots), no state change. The window
 // before the op is read once (W floats a thread), the final one written by the slots that had rows.
+// hist (the verify program's `history`, else null): [rows, W, C], the window after each active row.
 
 typedef unsigned int u32;
 #define FULL_MASK 0xffffffffu
@@ -35,7 +36,8 @@ __device__ __forceinline__ float silu_nb(float x) {
 template <int K, int DIL = 1>
 __global__ void __launch_bounds__(64) causal_conv1d_k(const float *x, float *out, const int *__restrict__ pos,
                                                        const int *__restrict__ slot, const float *__restrict__ w,
-                                                       float *__restrict__ state, int rows, int nslots, int C) {
+                                                       float *__restrict__ state, float *__restrict__ hist,
+                                                       int rows, int nslots, int C) {
   static_assert(K >= 2 && DIL >= 1, "kernel >= 2, dilation >= 1");
   constexpr int W = (K - 1) * DIL;                       // the window's length
   const int lane = threadIdx.x & 31, s = blockIdx.y;
@@ -85,6 +87,10 @@ __global__ void __launch_bounds__(64) causal_conv1d_k(const float *x, float *out
 #pragma unroll
         for (int j = 0; j < W - 1; j++) win[j] = take ? wz[j + 1] : win[j];
         win[W - 1] = take ? xc[u] : win[W - 1];
+        if (hist && take && on) {                        // the verify program: the window after row t0 + u
+#pragma unroll
+          for (int j = 0; j < W; j++) hist[((size_t)(t0 + u) * W + j) * C + c] = win[j];
+        }
       }
     }
   };

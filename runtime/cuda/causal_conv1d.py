@@ -1,5 +1,6 @@
 """CUDA causal_conv1d: the contract of runtime/ops/causal_conv1d.py (kernel: causal_conv1d.cu; one
-thread per (slot, channel) walking the rows in order: out may be x). Dilation d: the kernel's
+thread per (slot, channel) walking the rows in order: out may be x; the verify program's `history`
+written row by row). Dilation d: the kernel's
 template argument, its window of (kernel-1)*d inputs held in registers (at most MAX_WINDOW)."""
 
 from __future__ import annotations
@@ -34,5 +35,6 @@ def launches(op, bufs, rows: int, w) -> list:
     kern = cu.kernel(STEM, f"causal_conv1d_k<{K}, {dil}>")
     nslots = int(state.shape[0])
     grid = (-(-C // 64), nslots)
-    args = (x, out, pos, slot, wt, state, np.int32(rows), np.int32(nslots), np.int32(C))
+    hist = cu.history(op, bufs, rows, state)
+    args = (x, out, pos, slot, wt, state, hist, np.int32(rows), np.int32(nslots), np.int32(C))
     return [lambda: kern(grid, (64,), args)]

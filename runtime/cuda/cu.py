@@ -41,3 +41,17 @@ def kernel(stem: str, name: str):
         mod = cp.RawModule(code=source(stem), options=OPTIONS, name_expressions=[name])
         _MODS[key] = (mod, mod.get_function(name))
     return _MODS[key][1]
+
+
+def history(op, bufs, rows: int, state):
+    """A state op's `history` buffer in the verify program ([rows, *the state's per-slot shape]: the
+    slot's state after each row, which Engine.accept restores), or a null pointer where the op has none."""
+    import numpy as np
+    if "history" not in op:
+        return np.uintp(0)
+    h = bufs[op["history"]]
+    if h.shape[0] < rows or tuple(h.shape[1:]) != tuple(state.shape[1:]):
+        from ..errors import PlanMismatch
+        raise PlanMismatch(f"{op['op']} {op['history']}: history {tuple(h.shape)}, [rows {rows}, "
+                           f"{', '.join(map(str, state.shape[1:]))}] expected")
+    return h

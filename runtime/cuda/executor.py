@@ -33,6 +33,11 @@ families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py
 - Linears of more than 8 rows (prefill chunks) run on the tensor cores (runtime/cuda/gemm.py: the
   weight decoded into a reused BF16 scratch, one cuBLAS GEMM), in the mode the lever
   BLOOMERY_PREFILL_GEMM names ("bf16", "bf16x2", or "off": the GEMV kernels over 8-row groups).
+- The verify program (speculative decoding; where the engine drafts) and the mtp program (the MTP
+  draft's layer) are bound once per row count, a graph each (_bind_counts; docs/plan.md "Verify"):
+  each verify row is computed as the one-row decode graph computes it, and the graph ends by
+  deciding the kept rows on the device and restoring the slot's recurrent states from the rows'
+  histories (runtime/cuda/verify_keep.py).
 - TP > 1: one CudaExecutor per rank, each in its own process on its own GPU (runtime/cuda/tp.py),
   given the rank and its collectives (NCCL all_reduce / all_gather on this executor's stream,
   captured into the graph like any launch). Without collectives, a plan holding them is refused.
@@ -208,13 +213,13 @@ class _HostOps:
     host states, pinned outputs), then the asynchronous copies of the outputs device ops read."""
 
     def __init__(self, ops: list, plan: dict, bind: dict, host_in, index: dict, dev: dict, state: dict,
-                 tables: HostTables):
+                 tables: HostTables, progs=P.PROGRAMS):
         self.ops, self.tables = ops, tables
         shapes = plan["buffers"]
         self.bufs: dict = {n: host_in[i] for n, i in index.items()}
         self.copies = []                             # (pinned host array, device array)
-        written = {b for o in ops for b in (o[k] for k in P.OPS[o["op"]].writes)}
-        device_reads = {o[k] for prog in P.PROGRAMS for o in plan["programs"][prog]["ops"]
+        written = {o[k] for o in ops for k in (*P.OPS[o["op"]].writes, *P.OPS[o["op"]].opt_writes) if k in o}
+        device_reads = {o[k] for prog in progs for o in plan["programs"][prog]["ops"]
                         if not P.OPS[o["op"]].host for k in (*P.OPS[o["op"]].reads, *P.OPS[o["op"]].opt_reads)
                         if k in o}
         for o in ops:
@@ -250,11 +255,23 @@ class CudaExecutor:
             raise DeviceUnavailable("the CUDA executor needs CuPy")
         self.rank, self.coll = int(rank), collectives
         if len(plans) != 1 or (collectives is None and any(P.OPS[o["op"]].collective for p in plans
-                                                           for prog in P.PROGRAMS for o in p["programs"][prog]["ops"])):
+                                                           for prog in P.programs_of(p) for o in p["programs"][prog]["ops"])):
             raise DeviceUnavailable(f"{art.path}: tp={len(plans)}: the CUDA executor runs TP=1 plans only in this "
                                     f"version without NCCL ranks (runtime/cuda/tp.py); use --device cpu or prepare "
                                     f"with --tp 1")
         self.plan, self.art, self.symbols = plans[0], art, dict(symbols)
+        # the programs bound: decode and prefill; verify where the plan holds it and symbols bind its rows
+        # (the engine drafts), with mtp where the plan has an MTP layer (its draft)
+        self.progs = dict(P.PROGRAMS)
+        if "verify" in self.plan["programs"] and symbols.get("verify"):
+            self.progs["verify"] = "verify"
+            if "mtp" in self.plan["programs"]:
+                self.progs["mtp"] = "ubatch"
+        # verify and mtp are bound once per row count (a graph each): verify 1..its rows; mtp 1..verify's
+        # rows (a pass's kept rows, a chained draft) and ubatch (prompt chunks)
+        self.counts = {"verify": list(range(1, symbols.get("verify", 0) + 1)),
+                       "mtp": sorted({r for r in range(1, symbols.get("verify", 0) + 1) if r <= symbols["ubatch"]}
+                                     | {symbols["ubatch"]})}
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
@@ -267,7 +284,7 @@ class CudaExecutor:
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
         shapes = {n: b for n, b in self.plan["buffers"].items()}
         host_ops = {prog: [o for o in self.plan["programs"][prog]["ops"] if P.OPS[o["op"]].host]
-                    for prog in P.PROGRAMS}
+                    for prog in self.progs}
         host_state = {o[k] for ops in host_ops.values() for o in ops for k in P.OPS[o["op"]].state}
         self.host_state = {n: np.zeros(P.shape(shapes[n], symbols), DTYPES[shapes[n]["dtype"]]) for n in host_state}
         self.tables = HostTables(art, self.rank, sorted({o[k] for ops in host_ops.values() for o in ops
@@ -282,23 +299,38 @@ class CudaExecutor:
         self.tags: dict[str, list] = {}      # the op (or fused ops) of each launch, for profile()
         self.graph: dict = {}
         self.decode_bytes = 0            # weight bytes one decode step reads (bench)
-        self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}   # per run, all rows active
-        self._need: list = []            # (Linear, rows per launch | None: the MoE form) to compile
+        self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in self.progs}   # per run, all rows active
+        self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
         self._pooled: dict = {}          # scratch shared by ops (_pool)
-        for prog, rows_sym in P.PROGRAMS.items():
+        self.keeper = None               # the verify graphs' last launch (verify_keep.py)
+        self._kept_host = None           # its count, copied back (pinned)
+        self.finputs: dict = {}          # per program: float32 input name -> (device, pinned memory, host view)
+        self.verified_keep = 0           # the rows the last verify pass kept, as the device decided
+        for prog, rows_sym in self.progs.items():
             rows = symbols[rows_sym]
             bind = {**symbols, "rows": rows}
             bufs = dict(self.state)
-            names_in = [n for n, b in shapes.items() if b["kind"] == "input"]
+            used = P.buffers_used(self.plan, prog)          # not the verify program's state histories
+            names_in = [n for n, b in shapes.items() if b["kind"] == "input" and n in used and b["dtype"] == "i32"]
             for n in names_in:
-                if shapes[n]["dtype"] != "i32" or P.shape(shapes[n], bind) != (rows,):
+                if P.shape(shapes[n], bind) != (rows,):
                     raise PlanMismatch(f"input buffer {n!r}: the CUDA executor takes i32 [rows] inputs")
+            fin = {}                                        # float32 inputs (the mtp program's hidden rows)
+            for n, b in shapes.items():
+                if b["kind"] == "input" and n in used and b["dtype"] == "f32":
+                    shp = P.shape(b, bind)
+                    if shp[0] != rows:
+                        raise PlanMismatch(f"input buffer {n!r}: f32 {list(shp)}, [rows, ...] expected")
+                    m = cp.cuda.alloc_pinned_memory(max(4, int(np.prod(shp)) * 4))
+                    fin[n] = (cp.zeros(shp, cp.float32), m, np.frombuffer(m, np.float32, int(np.prod(shp))).reshape(shp))
+            self.finputs[prog] = fin
             dev_in = cp.zeros(len(names_in) * rows, cp.int32)
             host_mem = cp.cuda.alloc_pinned_memory(max(4, dev_in.nbytes))
             host_in = np.frombuffer(host_mem, np.int32, len(names_in) * rows).reshape(len(names_in), rows)
             for i, n in enumerate(names_in):
                 bufs[n] = dev_in[i * rows:(i + 1) * rows]
-            used = P.buffers_used(self.plan, prog)          # not the verify program's state histories
+            for n, (d, _, _) in fin.items():
+                bufs[n] = d
             for n, b in shapes.items():
                 if b["kind"] == "output" or (b["kind"] == "scratch" and n in used):
                     bufs[n] = cp.zeros(P.shape(b, bind), DTYPES[b["dtype"]])
@@ -306,7 +338,7 @@ class CudaExecutor:
             self.inputs[prog] = (dev_in, host_mem, host_in, {n: i for i, n in enumerate(names_in)})
             if host_ops[prog]:
                 self.host[prog] = _HostOps(host_ops[prog], self.plan, bind, host_in, self.inputs[prog][3], bufs,
-                                           self.host_state, self.tables)
+                                           self.host_state, self.tables, self.progs)
             outs = {}
             for n, b in shapes.items():
                 if b["kind"] == "output":
@@ -314,12 +346,15 @@ class CudaExecutor:
                     m = cp.cuda.alloc_pinned_memory(max(4, a.nbytes))
                     outs[n] = (m, np.frombuffer(m, a.dtype, a.size).reshape(a.shape))
             self.pinned_out[prog] = outs
-            self.steps[prog] = self._bind(prog, rows)
+            if prog in ("verify", "mtp"):
+                self._bind_counts(prog)
+            else:
+                self.steps[prog] = self._bind(prog, rows)
         self.load_s = time.perf_counter() - t0
         self.warm_s = 0.0
         t1 = time.perf_counter()
         self._precompile()
-        for prog in P.PROGRAMS:
+        for prog in self.progs:
             self._warm(prog)
         self.warm_s = time.perf_counter() - t1
 
@@ -331,11 +366,11 @@ class CudaExecutor:
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
     # -- binding: each op becomes a list of argument-bound launches --------------------------------
-    def _bind(self, prog: str, rows: int) -> list:
+    def _bind(self, prog: str, rows: int, bufs: dict | None = None, tag_key=None) -> list:
         """The program's launches. Two fusions that change no arithmetic: a linear (or the experts) whose
         output only feeds the next op's residual add accumulates into the residual (y += W x: the same
         rounding as NumPy's h + o); rope of q, rope of k and attention's cache write run as one kernel."""
-        bufs = self.buffers[prog]
+        bufs = self.buffers[prog] if bufs is None else bufs
         ops = self.plan["programs"][prog]["ops"]
         steps: list = []
         tags: list = []
@@ -363,8 +398,37 @@ class CudaExecutor:
                 tag, i = op["op"], i + 1
             steps.extend(new)
             tags.extend([tag] * len(new))
-        self.tags[prog] = tags
+        self.tags[prog if tag_key is None else tag_key] = tags
         return steps
+
+    def _bind_counts(self, prog: str) -> None:
+        """A program bound once per row count r of self.counts[prog] (a graph each): its row buffers'
+        first r rows, the states whole.
+        - verify (r = 1..R: a graph per drafted-token count k = r-1): each op computes every row as a
+          one-row decode step computes it (linears: the 1-row GEMV kernel's shape for each row, the weight
+          read once for all; attention: the 1-row context splits; the recurrent ops: the decode kernels,
+          the slot's rows in order, each row's state into `history`); then verify_keep decides the kept
+          rows and restores the states from the histories (runtime/cuda/verify_keep.py).
+        - mtp (the MTP draft's layer): a pass's kept rows, one chained row, a prompt chunk."""
+        full = self.buffers[prog]
+        shapes = self.plan["buffers"]
+        if prog == "verify":
+            from . import verify_keep as VK
+            ops = self.plan["programs"]["verify"]["ops"]
+            pairs = [(full[o["history"]], self.state[o[P.OPS[o["op"]].state[0]]]) for o in ops
+                     if "history" in o and not P.OPS[o["op"]].host]
+            self.keeper = VK.Keep(pairs, full["tokens"], full["next_token"], full["positions"], full["slot_ids"],
+                                  self.rows(prog))
+        for r in self.counts[prog]:
+            views = {n: (a[:r] if shapes[n]["kind"] != "state" and shapes[n]["shape"][:1] == ["rows"] else a)
+                     for n, a in full.items()}
+            steps = self._bind(prog, r, views, tag_key=(prog, r))
+            if prog == "verify":
+                steps.append(self.keeper.step)
+                self.tags[(prog, r)].append("verify_keep")
+            self.steps[(prog, r)] = steps
+        last = (prog, self.counts[prog][-1])
+        self.steps[prog], self.tags[prog] = self.steps[last], self.tags[last]
 
     @staticmethod
     def _fusable_rope(ops, i) -> bool:
@@ -394,12 +458,12 @@ class CudaExecutor:
         """Every GEMV kernel the programs launch, compiled in one NVRTC module (one compile, not one per
         kernel; gemv.compile_kernels caches per process, CuPy on disk)."""
         names = {}
-        for lin, nb in self._need:
+        for lin, nb, one in self._need:
             if nb is None:
                 c = lin.config or G.default_config(lin.kind, lin.out, lin.inn, 1)
                 names[G.kernel_name(lin.kind, c.R, 1, c.U, c.WPC, experts=True)] = None
             else:
-                names[lin.kernel_name(nb)] = None
+                names[lin.kernel_name(nb, one)] = None
         if names:
             G.compile_kernels(list(names))
 
@@ -436,8 +500,15 @@ class CudaExecutor:
                 else:
                     for h in range(0, nb, GEMV_ROWS):
                         n = min(GEMV_ROWS, nb - h)
-                        self._need.append((lin, n))
+                        self._need.append((lin, n, False))
                         steps.append(lambda lin=lin, xv=xv[h:h + n], yv=yv[h:h + n], n=n: lin.launch(xv, yv, n, accumulate))
+            return steps
+        if prog == "verify":                            # each row as the 1-row decode step computes it
+            for g in range(0, rows, GEMV_ROWS):
+                nb = min(GEMV_ROWS, rows - g)
+                self._need.append((lin, nb, True))
+                xv, yv = x[g:g + nb], y[g:g + nb]
+                steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb: lin.launch(xv, yv, nb, accumulate, one=True))
             return steps
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
             if self.mm is None:
@@ -445,7 +516,7 @@ class CudaExecutor:
             return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)
-            self._need.append((lin, nb))
+            self._need.append((lin, nb, False))
             xv, yv = x[g:g + nb], y[g:g + nb]
             steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb: lin.launch(xv, yv, nb, accumulate))
         return steps
@@ -526,7 +597,7 @@ class CudaExecutor:
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
         self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
         sel = self._attn_select(op, bufs, rows, ctx) if "select" in op else None   # qwen4_exp's QSA selection
-        chunk = self._attn_chunk(H, KV, D, select=sel is not None) if prog != "decode" else None
+        chunk = self._attn_chunk(H, KV, D, select=sel is not None) if prog not in ("decode", "verify") else None
         if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
             kc, rb, csmem = chunk
             cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
@@ -535,7 +606,8 @@ class CudaExecutor:
                 cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         elif sel is None and self.attn_mode == "split" and AD.supports(H, KV, D) is None:
-            attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms)
+            attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
+                             split_rows=1 if prog == "verify" else None)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
@@ -622,7 +694,7 @@ class CudaExecutor:
             steps.append(lambda: sce(grid, (256,), args))
             return dst, 1
 
-        self._need += [(gate, None), (up, None), (down, None)]
+        self._need += [(gate, None, False), (up, None, False), (down, None, False)]
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
         xg, dg = scaled("gate", x, x.shape[-1], k)
         steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
@@ -725,56 +797,74 @@ class CudaExecutor:
 
     # -- running ------------------------------------------------------------------------------------
     def rows(self, prog: str) -> int:
-        return self.symbols[P.PROGRAMS[prog]]
+        return self.symbols[self.progs[prog]]
 
     def _set_inputs(self, prog: str, inputs: dict) -> None:
         dev_in, host_mem, host_in, index = self.inputs[prog]
+        fin = self.finputs.get(prog, {})
         for n, v in inputs.items():
-            host_in[index[n]] = v
+            if n in fin:
+                d, m, h = fin[n]
+                h[...] = v
+                cp.cuda.runtime.memcpyAsync(d.data.ptr, m.ptr, h.nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                            self.stream.ptr)
+            else:
+                host_in[index[n]] = v
         cp.cuda.runtime.memcpyAsync(dev_in.data.ptr, host_mem.ptr, dev_in.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         if prog in self.host:
             self.host[prog].run(self.stream)
 
-    def _launch(self, prog: str) -> None:
-        g = self.graph.get(prog)
+    def _launch(self, key) -> None:
+        """Replays program `key` (a program's name; ("verify", r): the verify program's r-row binding)."""
+        g = self.graph.get(key)
         if g is not None:
             g.launch(self.stream)
         else:
             with self.stream:
-                for f in self.steps[prog]:
+                for f in self.steps[key]:
                     f()
 
     def _warm(self, prog: str) -> None:
         """One eager run with every row inactive (compiles every kernel, writes no cache), then the
-        capture of the program into a CUDA graph."""
+        capture of the program into a CUDA graph (the verify program: one per row count)."""
         rows = self.rows(prog)
         _, _, host_in, index = self.inputs[prog]
-        with self.stream:
-            self._set_inputs(prog, {n: (np.full(rows, -1, np.int32) if n == "positions" else np.zeros(rows, np.int32))
-                                    for n in index})
-            for f in self.steps[prog]:
-                f()
-        self.stream.synchronize()
-        if self.graphs:
-            s = self.stream
-            with s:
-                s.begin_capture()
-                try:
-                    for f in self.steps[prog]:
-                        f()
-                finally:
-                    graph = s.end_capture()
-            self.graph[prog] = graph
-            graph.launch(s)              # a replay with the inactive inputs: checks the graph runs
-            s.synchronize()
+        keys = [(prog, r) for r in self.counts[prog]] if prog in ("verify", "mtp") else [prog]
+        for key in keys:
+            with self.stream:
+                self._set_inputs(prog, {n: (np.full(rows, -1, np.int32) if n == "positions" else np.zeros(rows, np.int32))
+                                        for n in index})
+                for f in self.steps[key]:
+                    f()
+            self.stream.synchronize()
+            if self.graphs:
+                s = self.stream
+                with s:
+                    s.begin_capture()
+                    try:
+                        for f in self.steps[key]:
+                            f()
+                    finally:
+                        graph = s.end_capture()
+                self.graph[key] = graph
+                graph.launch(s)          # a replay with the inactive inputs: checks the graph runs
+                s.synchronize()
 
     def run(self, prog: str, inputs: dict, want=None, rows: tuple | None = None) -> dict:
         """Sets the inputs, replays the program, returns the outputs in `want` (default: all) as host
         arrays (views of pinned buffers, valid until the next run of this program); rows=(lo, hi):
-        only those rows (first axis) are copied and returned."""
+        only those rows (first axis) are copied and returned. The verify program replays the graph of
+        rows[1] rows (default all): its rows past them must be inactive (positions -1)."""
         self._set_inputs(prog, inputs)
-        self._launch(prog)
+        key = prog
+        if prog in ("verify", "mtp"):                   # the graph of the fewest rows that holds them
+            n = self.rows(prog) if rows is None else int(rows[1])
+            r = next((c for c in self.counts[prog] if c >= n), None)
+            if n < 1 or r is None:
+                raise ValueError(f"{prog}: {n} rows; this executor's {prog} program takes 1..{self.counts[prog][-1]}")
+            key = (prog, r)
+        self._launch(key)
         outs = self.pinned_out[prog]
         want = tuple(outs) if want is None else tuple(want)
         bufs = self.buffers[prog]
@@ -787,8 +877,29 @@ class CudaExecutor:
             cp.cuda.runtime.memcpyAsync(m.ptr + lo * per, a.data.ptr + lo * per, (hi - lo) * per,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
             res[n] = h[lo:hi] if a.ndim else h
+        if prog == "verify":
+            if self._kept_host is None:
+                self._kept_mem = cp.cuda.alloc_pinned_memory(4)
+                self._kept_host = np.frombuffer(self._kept_mem, np.int32, 1)
+            cp.cuda.runtime.memcpyAsync(self._kept_mem.ptr, self.keeper.out.data.ptr, 4,
+                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
+        if prog == "verify":
+            self.verified_keep = int(self._kept_host[0])
         return res
+
+    def keep(self, slot: int, row: int) -> None:
+        """After a verify run of `slot`: its recurrent states as they were after verify row `row` (the
+        last kept one). The graph has already restored the device states to the row the greedy rule
+        kept (verified_keep - 1); another row is restored here by one launch (no host sync). Host
+        ops' states (qwen4_exp's n-gram context) are restored from their host histories."""
+        for o in self.plan["programs"]["verify"]["ops"]:
+            if "history" in o and P.OPS[o["op"]].host:
+                self.host_state[o[P.OPS[o["op"]].state[0]]][slot] = self.host["verify"].bufs[o["history"]][row]
+        if row + 1 != self.verified_keep:
+            with self.stream:
+                self.keeper.force(row)
+            self.verified_keep = row + 1
 
     def profile(self, prog: str = "decode", reps: int = 20) -> dict:
         """Device time per op kind (ms per run): the launches of each kind captured into a graph of their

@@ -181,13 +181,14 @@ __device__ __forceinline__ float softplus_gate(float a, float dtb, float nA) {  
   float *st = state + (((size_t)s * Hv + h) * dk + i0) * dv + j;                                          \
   const bool writer = ig == 0;
 
-// decode: q / k norms and the gates computed by each warp for its row (one launch)
+// decode (and verify: hist, else null, gets S after each row): q / k norms and the gates computed by
+// each warp for its row (one launch)
 template <int NI, int QW>
 __global__ void __launch_bounds__(128) gated_delta_k(
     const float *__restrict__ qkv, const float *__restrict__ a, const float *__restrict__ b,
     const int *__restrict__ pos, const int *__restrict__ slot, const float *__restrict__ A_log,
     const float *__restrict__ dt_bias, float *__restrict__ state, float *__restrict__ out,
-    int rows, int nslots, int Hk, int Hv, int dk, int dv, float qscale) {
+    float *__restrict__ hist, int rows, int nslots, int Hk, int Hv, int dk, int dv, float qscale) {
   WARP_SETUP
   const size_t qo = (size_t)hk * dk + i0, ko = (size_t)(Hk + hk) * dk + i0;
   const float nA = -expf(A_log[h]), dtb = dt_bias[h];
@@ -222,6 +223,12 @@ __global__ void __launch_bounds__(128) gated_delta_k(
     P.eg = softplus_gate(ar, dtb, nA);
     P.beta = 1.0f / (1.0f + expf(-br));
     step_row<NI, QW>(S, P, out + (size_t)r * os + oo, writer);
+    if (hist) {                          // the verify program: S after row r, [rows, Hv, dk, dv]
+      float *hr = hist + (((size_t)r * Hv + h) * dk + i0) * dv + j;
+#pragma unroll
+      for (int i = 0; i < NI; i++)
+        *reinterpret_cast<float4 *>(hr + (size_t)i * dv) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+    }
   }
   if (have) {
 #pragma unroll

@@ -126,6 +126,9 @@ def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = 
     if A_log.size != Hv or dt.size != Hv:
         raise PlanMismatch(f"gated_delta {op['A_log']}, {op['dt_bias']}: {A_log.size}, {dt.size} values, v_heads {Hv}")
     mode = op.get("mode", "decode")
+    if mode == "verify":                 # a one-row decode step's kernel, its rows in order, + history
+        mode = "decode"
+        pipe = False
     pipe = mode == "prefill" if pipe is None else bool(pipe)
     nslots = int(state.shape[0])
     if qw is None and mode == "decode" and nslots < 4:
@@ -137,8 +140,8 @@ def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = 
     i32 = np.int32
     qscale = np.float32(1 / np.sqrt(dk))
     if not pipe:
-        args = (qkv, a, b, pos, slot, A_log, dt, state, out, i32(rows), i32(nslots), i32(Hk), i32(Hv), i32(dk),
-                i32(dv), qscale)
+        args = (qkv, a, b, pos, slot, A_log, dt, state, out, cu.history(op, bufs, rows, state), i32(rows),
+                i32(nslots), i32(Hk), i32(Hv), i32(dk), i32(dv), qscale)
         return [lambda: kern(grid, block, args)]
     new = scratch or (lambda key, shape: cp.zeros(shape, cp.float32))
     qk, gb = new("gated_delta.qk", (rows, 2 * Hk * dk)), new("gated_delta.gb", (rows, Hv, 2))

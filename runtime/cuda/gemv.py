@@ -35,7 +35,7 @@ FMT_ID = {"f32": 0, "bf16": 1, "fp8_tensor": 2, "fp8_channel": 3, "fp8_block128"
 EPW = {"f32": 1, "bf16": 2, "fp8_tensor": 4, "fp8_channel": 4, "fp8_block128": 4, "mxfp8": 4,
        "nvfp4_stored": 8}
 FORMATS = ("nvfp4", "mxfp8", "fp8_tensor", "fp8_channel", "fp8_block128", "bf16", "f32", "q8_0", "mxfp4")
-BATCHES = (1, 2, 4, 8)
+BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)        # a kernel per row count: no rows of zeros multiplied (docs/kernels.md)
 MAX_BATCH = 8
 
 
@@ -340,11 +340,11 @@ class Linear:
             self.scst = int(self.sc.size) // E if self.sc is not None and self.sc.size > 1 else 0
             self.expert_nbytes = self.nbytes // E
 
-    def kernel_name(self, nb: int) -> str:
-        """The name of the kernel a launch of nb rows uses (for precompiling)."""
-        if self.mma and nb == 1:
+    def kernel_name(self, nb: int, one: bool = False) -> str:
+        """The name of the kernel a launch of nb rows uses (for precompiling); one: launch's `one`."""
+        if self.mma and (nb == 1 or one):
             return f"gemv_nvfp4_mma<{mma_warps(self.out)}>"
-        c = self.config or default_config(self.kind, self.out, self.inn, nb)
+        c = self.config or default_config(self.kind, self.out, self.inn, 1 if one else nb)
         return kernel_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC)
 
     def _mma_kernel(self):
@@ -358,13 +358,14 @@ class Linear:
             self._kern["mma"] = (k, smem)
         return self._kern["mma"]
 
-    def kernel(self, nb: int):
+    def kernel(self, nb: int, one: bool = False):
         B = batch_bucket(nb)
-        if B not in self._kern:
-            c = self.config or default_config(self.kind, self.out, self.inn, nb)
+        key = (B, one and B > 1)
+        if key not in self._kern:
+            c = self.config or default_config(self.kind, self.out, self.inn, 1 if one else nb)
             name = kernel_name(self.kind, c.R, B, c.U, c.WPC)
-            self._kern[B] = (compile_kernels([name], self.defines)[name], c)
-        return self._kern[B]
+            self._kern[key] = (compile_kernels([name], self.defines)[name], c)
+        return self._kern[key]
 
     def kernel_experts(self):
         if "e" not in self._kern:
@@ -441,15 +442,21 @@ class Linear:
         self.launch(x2, y, nb, accumulate)
         return y.reshape(self.out) if squeeze else y
 
-    def launch(self, x, y, nb: int, accumulate: bool = False):
-        """Raw launch, no checks (x, y device arrays as in __call__)."""
+    def launch(self, x, y, nb: int, accumulate: bool = False, one: bool = False):
+        """Raw launch, no checks (x, y device arrays as in __call__). one: each row computed exactly as a
+        launch of that row alone computes it (the verify program: the 1-row kernel's shape, its CTA
+        split and reduction order, for every row; the rows still read the weight once)."""
+        if one and self.mma and nb > 1:
+            for b in range(nb):
+                self.launch(x[b:b + 1], y[b:b + 1], 1, accumulate)
+            return
         if nb == 1 and self.mma:
             kern, smem = self._mma_kernel()
             kern((-(-self.out // 16),), (32 * mma_warps(self.out),),
                  (self.w, self.sc, x, y, cp.int32(self.out), cp.int32(self.inn), cp.int32(int(accumulate))),
                  shared_mem=smem)
             return
-        kern, c = self.kernel(nb)
+        kern, c = self.kernel(nb, one)
         grid = (math.ceil(self.out / (c.T // 32 if self.kind == "mxfp4" else c.R)),)
         i32 = cp.int32
         if self.kind in ("q8_0", "mxfp4"):

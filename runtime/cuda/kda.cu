@@ -162,6 +162,7 @@ __device__ __forceinline__ void kda_step(float (&S)[NI][4], KdaRow<NI> &R, const
   if (writer) *reinterpret_cast<float4 *>(o) = make_float4(ov[0], ov[1], ov[2], ov[3]);
 }
 
+// hist (the verify program's history, else null; decode form only): S after each row.
 // PIPE (prompt chunks): the next row of the slot is found and its inputs loaded before this row is
 // computed, so the loads of row r+1 are in flight during row r's math (two rows' inputs in registers:
 // NI <= 8).
@@ -171,8 +172,8 @@ __global__ void kda_k(const float *__restrict__ q, const float *__restrict__ k,
                       const float *__restrict__ b, const int *__restrict__ pos,
                       const int *__restrict__ slot, const float *__restrict__ A_log,
                       const float *__restrict__ dt_bias, float *__restrict__ state,
-                      float *__restrict__ out, int rows, int nslots, int H, int d,
-                      float qscale, float lb, int bounded) {
+                      float *__restrict__ out, float *__restrict__ hist, int rows, int nslots, int H,
+                      int d, float qscale, float lb, int bounded) {
   constexpr int CW = 4 * QW;
   const int lane = threadIdx.x & 31, cq = lane % QW, ig = lane / QW;
   const int wph = d / CW;
@@ -226,6 +227,12 @@ __global__ void kda_k(const float *__restrict__ q, const float *__restrict__ k,
       kda_load_row<NI>(A, r, q, k, v, g, b, os, ro, oo, H, h);
       begin(p);
       kda_step<NI, QW>(S, A, dtb, a, qscale, lb, bounded, out + (size_t)r * os + oo, writer);
+      if (hist) {                        // the verify program: S after row r, [rows, H, d, d]
+        float *hr = hist + (((size_t)r * H + h) * d + i0) * d + j;
+#pragma unroll
+        for (int i = 0; i < NI; i++)
+          *reinterpret_cast<float4 *>(hr + (size_t)i * d) = make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+      }
     }
   }
   if (have) {

@@ -62,6 +62,8 @@ def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = 
                            f"head_dim {d}")
     nslots = int(state.shape[0])
     mode = op.get("mode", "decode")
+    if mode == "verify":                 # a one-row decode step's kernel, its rows in order, + history
+        mode, pipe = "decode", False
     pipe = mode == "prefill" if pipe is None else bool(pipe)
     ni, q_ = pick(d, mode, nslots, pipe) if qw is None else next(
         (c for c in configs(d, pipe) if c[1] == qw), (None, None))
@@ -73,7 +75,8 @@ def launches(op, bufs, rows: int, w, qw: int | None = None, pipe: bool | None = 
     grid, block = (-(-warps // WARPS), nslots), (32 * WARPS,)
     lb = op["lower_bound"]
     i32 = np.int32
-    args = (q, k, v, g, b, pos, slot, A_log, dt, state, out, i32(rows), i32(nslots), i32(H), i32(d),
+    args = (q, k, v, g, b, pos, slot, A_log, dt, state, out, cu.history(op, bufs, rows, state), i32(rows),
+            i32(nslots), i32(H), i32(d),
             np.float32(1 / np.sqrt(d)), np.float32(0.0 if lb is None else lb), i32(lb is not None))
     return [lambda: kern(grid, block, args)]
 
