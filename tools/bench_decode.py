@@ -540,10 +540,16 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-context", type=int, default=512)
     ap.add_argument("--batches", default=None, metavar="1,2,4,8",
                     help="the GEMV kernels' row-count buckets (runtime/cuda/gemv.py BATCHES; to compare with another set)")
+    ap.add_argument("--upload", choices=["staged", "plain"], default=None,
+                    help="how the weights reach the GPU (lever BLOOMERY_UPLOAD; to compare the two)")
     ap.add_argument("--verify", type=int, default=0, metavar="K",
                     help="also time the verify graphs of 1..K+1 rows against the 1-row decode step (speculative decoding)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.upload:
+        import os
+        os.environ["BLOOMERY_UPLOAD"] = a.upload
+        log(f"weights uploaded: {a.upload}")
     if a.batches:
         from bloomery.runtime.cuda import gemv as G
         G.BATCHES = tuple(int(b) for b in a.batches.split(","))

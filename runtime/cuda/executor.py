@@ -9,8 +9,10 @@ reference of each op; runtime/cuda/ops_src.py and gemv_src.py hold the kernels; 
 families' ops have theirs in runtime/cuda/<op>.cu, bound by runtime/cuda/<op>.py).
 
 - Weights: every tensor the plan reads is uploaded once at load from the artifact's mmapped
-  shards, in its artifact layout (Artifact.gguf_arrays): no dequantized copy. The GEMV kernels
-  read the stored format; norm weights and pre_quant_scale vectors (a few KB) are float32.
+  shards, in its artifact layout (Artifact.gguf_arrays): no dequantized copy; through pinned
+  staging buffers, host copies and DMA overlapped (runtime/cuda/upload.py; lever BLOOMERY_UPLOAD).
+  The GEMV kernels read the stored format; norm weights and pre_quant_scale vectors (a few KB) are
+  float32.
 - Buffers: the plan's, allocated once with the bound shapes (state shared by both programs: the KV
   cache and the recurrent states alike, zeroed at load and by reset(); a row at position 0 also
   starts its slot's recurrent state afresh inside the kernels).
@@ -74,6 +76,7 @@ from . import mla_attention as MLA
 from . import moe_router_grouped as MRG
 from . import ops as K
 from . import qsa_index as QSA
+from . import upload as U
 
 DTYPES = {"f32": np.float32, "i32": np.int32}
 DENSE_DT = {"f32": 0, "bf16": 1, "f16": 2}
@@ -111,6 +114,9 @@ class DeviceWeights:
         self._vec: dict = {}
         self.nbytes = 0                  # bytes uploaded
         self.upload_s = 0.0              # time spent uploading (mmap -> device)
+        # lever BLOOMERY_UPLOAD: through pinned staging (runtime/cuda/upload.py), or cupy.asarray
+        self.up = U.Uploader() if levers.value("BLOOMERY_UPLOAD", os.environ) == "staged" else None
+        self.loaded = False              # finish() ran: later uploads land before raw() returns
 
     def raw(self, name: str) -> dict:
         """suffix -> device array, the GGUF arrays as they lie in the artifact (input_scale left out)."""
@@ -121,12 +127,23 @@ class DeviceWeights:
             for k, a in arrs.items():
                 if k == "input_scale":
                     continue
-                d[k] = cp.asarray(a)
+                d[k] = self.up.put(a) if self.up is not None else cp.asarray(a)
                 self.nbytes += int(a.nbytes)
-            cp.cuda.Device().synchronize()
+            if self.up is None:
+                cp.cuda.Device().synchronize()
+            elif self.loaded:                # a tensor asked for after the load: landed before it is returned
+                self.up.finish()
             self.upload_s += time.perf_counter() - t0
             self._raw[name] = d
         return self._raw[name]
+
+    def finish(self) -> None:
+        """Every upload has landed (before the executor's own stream runs a kernel)."""
+        if self.up is not None:
+            t0 = time.perf_counter()
+            self.up.finish()
+            self.upload_s += time.perf_counter() - t0
+        self.loaded = True
 
     def linear(self, name: str) -> G.Linear:
         if name not in self._lin:
@@ -350,6 +367,7 @@ class CudaExecutor:
                 self._bind_counts(prog)
             else:
                 self.steps[prog] = self._bind(prog, rows)
+        self.w.finish()                  # the staged uploads have landed: the stream's kernels may read them
         self.load_s = time.perf_counter() - t0
         self.warm_s = 0.0
         t1 = time.perf_counter()
