@@ -386,7 +386,7 @@ def cache_type_options(fn):
                           help=f"Store the KV cache's {'keys' if kv == 'k' else 'values'} as f32, f16, bf16, q8_0 "
                                f"or fp8 (with the checkpoint's {kv}_scale; ModelOpt's FP8 KV cache); written rounded, "
                                f"read decoded (runtime/kv_cache.py). Each type's measured KL against f32: "
-                               f"`bloomery levers` (BLOOMERY_CACHE_TYPE_{kv.upper()}). CPU only in this version.")(fn)
+                               f"`bloomery levers` (BLOOMERY_CACHE_TYPE_{kv.upper()}). On the GPU: f32, f16 or bf16 (tp 1).")(fn)
     return fn
 
 

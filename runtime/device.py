@@ -55,7 +55,8 @@ def resolve(device: str) -> str:
     return "cpu" if why else "cuda"
 
 
-def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int]) -> dict[str, int]:
+def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int],
+                 itemsize: Mapping[str, int] | None = None) -> dict[str, int]:
     """What a rank's plan puts on the GPU, at least (the CUDA executor's allocations): the GGUF bytes
     of every tensor a device op reads (host ops' tables stay in the mmapped artifact) and every
     buffer at its bound shape (the state once, host ops' states left out; each program's others)."""
@@ -67,13 +68,14 @@ def device_bytes(plan: dict, table: Mapping, symbols: Mapping[str, int]) -> dict
     progs = dict(P.PROGRAMS)
     if "verify" in plan["programs"] and symbols.get("verify"):     # bound where the engine drafts
         progs["verify"] = "verify"
+    size = itemsize or {}                                          # a buffer held in fewer bytes (a KV cache type)
     for prog, rows in progs.items():
         bind = {**symbols, "rows": symbols[rows]}
         used = P.buffers_used(plan, prog)
-        bufs += sum(int(np.prod(P.shape(b, bind))) for n, b in plan["buffers"].items()
+        bufs += sum(int(np.prod(P.shape(b, bind))) * size.get(n, BUFFER_ITEMSIZE) for n, b in plan["buffers"].items()
                     if (b["kind"] == "output" or (b["kind"] == "state" and prog == "decode")
                         or (b["kind"] in ("input", "scratch") and n in used)) and n not in host_state)
-    return {"weights": weights, "buffers": bufs * BUFFER_ITEMSIZE}
+    return {"weights": weights, "buffers": bufs}
 
 
 def check_fits(need: Mapping[str, int], free: int, total: int, where: str) -> None:

@@ -80,9 +80,13 @@ class Engine:
             if kind not in kv_cache.TYPES:
                 raise kv_cache.CacheTypeRefused(f"cache type {kind!r}: choose one of {', '.join(kv_cache.TYPES)}")
         if self.device == "cuda" and self.cache_types != ("f32", "f32"):
-            raise kv_cache.CacheTypeRefused(
-                f"--cache-type-k {cache_type_k} --cache-type-v {cache_type_v}: the CUDA kernels read a float32 KV cache "
-                f"in this version; use f32 on the GPU, or --device cpu")
+            gpu = ("f32", "bf16", "f16") if self.art.tp == 1 else ("f32",)
+            bad = [k for k in self.cache_types if k not in gpu]
+            if bad:
+                raise kv_cache.CacheTypeRefused(
+                    f"--cache-type-k {cache_type_k} --cache-type-v {cache_type_v}: the CUDA kernels hold the KV cache as "
+                    f"{', '.join(gpu)}{' at tp 1' if self.art.tp == 1 else ' at tp > 1'} in this version; choose "
+                    f"{' or '.join(gpu)} on the GPU, or --device cpu")
         # the verify program (speculative decoding), for plans that hold it: the NumPy executor, and the
         # CUDA executor at tp 1 (a graph per drafted-token count)
         self.draft_max = int(draft_max) if "verify" in self.plans[0]["programs"] and (
@@ -105,7 +109,7 @@ class Engine:
                 self.exec = TpCudaExecutor(self.art.path, self.art.tp, symbols)
             else:
                 from .cuda.executor import CudaExecutor   # imports CuPy
-                self.exec = CudaExecutor(self.plans, self.art, symbols)
+                self.exec = CudaExecutor(self.plans, self.art, symbols, cache_types=self.cache_types)
         else:
             shared: dict = {}
             self.weights = [CpuWeights(self.art, r, P.weights_of(p), shared) for r, p in zip(self.art.ranks, self.plans)]

@@ -100,6 +100,39 @@ def test_plain_upload_lever(monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
+@pytest.mark.parametrize("types", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+@pytest.mark.parametrize("name", ["tiny-llama/nvfp4", "tiny-qwen3_moe/fp8", "tiny-qwen3_next/nvfp4",
+                                  "tiny-qwen4_exp/nvfp4", "tiny-glm4_moe/bf16"])
+def test_cuda_cache_types_match_numpy(name, types, monkeypatch):
+    """-ctk / -ctv f16, bf16 on the GPU (the attention kernels read the cache in its type, rounded to
+    nearest even when written) against the NumPy executor with the same types: prompt chunks (the
+    chunk kernel and the GEMV path) and decode steps (split and row kernels) within the band, the
+    same greedy tokens; the cache holds half the bytes."""
+    art = artifact(name)
+    for attn in ("split", "row"):
+        monkeypatch.setenv("BLOOMERY_DECODE_ATTENTION", attn)
+        cu = runtime.Engine(art, device="cuda", ctx=128, ubatch=16, cache_type_k=types[0], cache_type_v=types[1])
+        cpu = runtime.Engine(art, device="cpu", ctx=128, ubatch=16, cache_type_k=types[0], cache_type_v=types[1])
+        assert_engines_agree(cu, cpu)
+    f32 = runtime.Engine(art, device="cuda", ctx=128, ubatch=16)
+    kv = [n for n, a in cu.exec.state.items() if n in cu.exec.cache_code]
+    assert kv and all(cu.exec.state[n].nbytes * 2 == f32.exec.state[n].nbytes for n in kv)
+    assert cu.memory()["state"] < f32.memory()["state"]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
+def test_cuda_cache_type_refusals():
+    from bloomery.runtime.kv_cache import CacheTypeRefused
+    for kind in ("q8_0", "fp8"):
+        with pytest.raises(CacheTypeRefused, match="f32, bf16, f16"):
+            runtime.Engine(artifact("tiny-llama/nvfp4_fp8kv"), device="cuda", ctx=64, cache_type_k=kind)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
 def test_cuda_generate_and_reset():
     art = artifact("tiny-llama/nvfp4")
     eng = runtime.Engine(art, device="cuda", ctx=128)

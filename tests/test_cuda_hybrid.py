@@ -77,6 +77,7 @@ def bare(host: dict) -> CudaExecutor:
     ex.flops = {p: {"linear": 0, "attention_per_key": 0} for p in P.PROGRAMS}
     ex._read_levers()
     ex.gemm_mode, ex.mm, ex._need, ex.decode_bytes, ex._pooled = "off", None, [], 0, {}
+    ex.cache_code = {}                   # the attention caches in float32
     ex.stream = cp.cuda.Stream(non_blocking=True)
     return ex
 

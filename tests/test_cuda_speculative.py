@@ -38,6 +38,13 @@ def test_cuda_ngram_draft_is_lossless(name):
     draft_is_lossless(Engine(artifact(name), device="cuda", ctx=512), name, NgramDraft(max_n=4, min_n=1))
 
 
+@pytest.mark.parametrize("name", ("tiny-llama/nvfp4", "tiny-qwen3_next/nvfp4"))
+def test_cuda_drafts_over_a_typed_cache(name):
+    """The verify graphs over an f16 / bf16 KV cache: the n-gram draft still lossless."""
+    draft_is_lossless(Engine(artifact(name), device="cuda", ctx=512, cache_type_k="f16", cache_type_v="bf16"), name,
+                      NgramDraft(max_n=4, min_n=1))
+
+
 @pytest.mark.parametrize("name", ("tiny-qwen3_next/nvfp4", "tiny-glm5_next/bf16", "tiny-qwen4_exp/nvfp4"))
 def test_cuda_keep_fewer_than_the_device_decided(name):
     """A caller that keeps fewer rows than the device's greedy count (a pick of masked logits) gets

@@ -313,15 +313,17 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
             "plan_states": plan_states(ex.plan, ex.symbols)}
 
 
-def bench_slots(art: Path, slots: int, context: int, steps: int = 32) -> dict:
+def bench_slots(art: Path, slots: int, context: int, steps: int = 32, cache: str = "f32") -> dict:
     """Decode steps of `slots` rows, every slot holding `context` keys first (random ids prefilled):
     aggregate tok/s over `steps` greedy steps (the host's round trip included), the decode graph
     replayed alone, the device time per op kind, and the bytes a step must move (the weights once,
-    each row's cached keys and values, its recurrent states read and written)."""
+    each row's cached keys and values in the cache's type, its recurrent states read and written)."""
     import cupy as cp
 
     from bloomery.runtime import Engine
-    eng = Engine(art, device="cuda", ctx=context + steps + WARM + 8, slots=slots, ubatch=min(512, context))
+    from bloomery.runtime.kv_cache import BYTES_PER_VALUE
+    eng = Engine(art, device="cuda", ctx=context + steps + WARM + 8, slots=slots, ubatch=min(512, context),
+                 cache_type_k=cache, cache_type_v=cache, draft_max=0)
     ex = eng.exec
     rng = np.random.default_rng(0)
     toks = []
@@ -346,8 +348,9 @@ def bench_slots(art: Path, slots: int, context: int, steps: int = 32) -> dict:
     prof = ex.profile("decode", reps=10)
     ps = plan_states(ex.plan, ex.symbols)
     keys = context + WARM + steps / 2                   # the mean number of cached positions a row attends
-    traffic = ex.decode_bytes + slots * (keys * ps["kv_row_bytes"] + 2 * ps["recurrent_bytes"])
-    return {"slots": slots, "context": context, "s_per_step": dt, "tok_s": slots / dt, "traffic_per_step": traffic,
+    kv_row = ps["kv_row_bytes"] * BYTES_PER_VALUE[cache] / 4      # plan_states counts the float32 cache
+    traffic = ex.decode_bytes + slots * (keys * kv_row + 2 * ps["recurrent_bytes"])
+    return {"slots": slots, "context": context, "cache": cache, "s_per_step": dt, "tok_s": slots / dt, "traffic_per_step": traffic,
             "replay_s": cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 20, "tc_mode": ex.tc_mode,
             "groups": {k: round(v[0], 4) for k, v in grouped(prof).items()}}
 
@@ -538,6 +541,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", nargs="*", type=int, default=[],
                     help="also time decode steps of these many slots (rows), each holding --slot-context keys")
     ap.add_argument("--slot-context", type=int, default=512)
+    ap.add_argument("--cache-types", nargs="+", default=["f32"], metavar="TYPE",
+                    help="--slots runs: the KV cache's types (f32 f16 bf16), each timed in turn")
     ap.add_argument("--batches", default=None, metavar="1,2,4,8",
                     help="the GEMV kernels' row-count buckets (runtime/cuda/gemv.py BATCHES; to compare with another set)")
     ap.add_argument("--upload", choices=["staged", "plain"], default=None,
@@ -623,8 +628,8 @@ def main(argv=None) -> int:
             if a.slots:
                 free_gpu()
                 r["slot_runs"] = []
-                for n in a.slots:
-                    r["slot_runs"].append(bench_slots(art, n, a.slot_context))
+                for n, ct in ((n, ct) for ct in a.cache_types for n in a.slots):
+                    r["slot_runs"].append(bench_slots(art, n, a.slot_context, cache=ct))
                     log(json.dumps(r["slot_runs"][-1]))
                     free_gpu()
             ps = r["plan_states"]
@@ -696,13 +701,14 @@ def main(argv=None) -> int:
             base = r["slot_runs"][0]
             log(f"  {r['shape']}: decode steps of several slots ({base['context']} keys each; BLOOMERY_DECODE_TC="
                 f"{base['tc_mode']}):")
-            log("  | slots | tok/s (all slots) | x first | step ms | graph ms | linears+head ms | attention ms | other ms "
-                "| MB a step | % copy roofline |")
-            log("  |---|---|---|---|---|---|---|---|---|---|")
+            log("  | slots | KV cache | tok/s (all slots) | x first | step ms | graph ms | linears+head ms | attention ms "
+                "| other ms | MB a step | % copy roofline |")
+            log("  |---|---|---|---|---|---|---|---|---|---|---|")
             for q in r["slot_runs"]:
                 g = q["groups"]
                 lin = g.get("linears", 0) + g.get("head", 0)
-                log(f"  | {q['slots']} | {q['tok_s']:.1f} | {q['tok_s'] / base['tok_s']:.2f} | {1e3 * q['s_per_step']:.2f} | "
+                log(f"  | {q['slots']} | {q.get('cache', 'f32')} | {q['tok_s']:.1f} | {q['tok_s'] / base['tok_s']:.2f} | "
+                    f"{1e3 * q['s_per_step']:.2f} | "
                     f"{1e3 * q['replay_s']:.2f} | {lin:.2f} | {g.get('attention', 0):.2f} | "
                     f"{sum(g.values()) - lin - g.get('attention', 0):.2f} | {q['traffic_per_step'] / 1e6:.0f} | "
                     f"{100 * q['traffic_per_step'] / q['s_per_step'] / bw:.1f} |")

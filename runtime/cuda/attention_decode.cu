@@ -10,9 +10,27 @@
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-template <int DPL, int HPW>
-__global__ void __launch_bounds__(128) attention_decode_k(const float *__restrict__ q, const float *__restrict__ ck,
-    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+// four consecutive cache values from element i (i % 4 == 0), decoded to float32: the KV cache's type
+// CT 0 f32 (one 16-byte load), 1 bf16, 2 f16 (one 8-byte load); ops_src.py cget4 is the same
+template <int CT> __device__ __forceinline__ float4 cache4(const void *p, size_t i) {
+  if constexpr (CT == 0) {
+    return *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
+    const unsigned h[4] = {w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16};
+    float f[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      if constexpr (CT == 1) f[k] = __uint_as_float(h[k] << 16);
+      else { const unsigned short v = (unsigned short)h[k]; asm("cvt.f32.f16 %0, %1;" : "=f"(f[k]) : "h"(v)); }
+    }
+    return make_float4(f[0], f[1], f[2], f[3]);
+  }
+}
+
+template <int DPL, int HPW, int CK = 0, int CV = 0>
+__global__ void __launch_bounds__(128) attention_decode_k(const float *__restrict__ q, const void *__restrict__ ck,
+    const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
     float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D, int ctx, float scale) {
   extern __shared__ float sh[];
   __shared__ int last;
@@ -29,8 +47,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
   float *Qs = sh, *Ks = Qs + G * D, *Vs = Ks + 32 * DP, *Ps = Vs + 32 * D;   // Ps: [G][32]
   for (int i = tid; i < G * D; i += 128) Qs[i] = q[((size_t)r * H + kvh * G) * D + i];
   const size_t rs = (size_t)KV * D;
-  const float *K = ck + (size_t)slot[r] * ctx * rs + (size_t)kvh * D;
-  const float *V = cv + (size_t)slot[r] * ctx * rs + (size_t)kvh * D;
+  const size_t K = (size_t)slot[r] * ctx * rs + (size_t)kvh * D, V = K;   // element offsets into ck, cv
   float m[HPW], l[HPW], acc[HPW][DPL];
 #pragma unroll
   for (int j = 0; j < HPW; j++) {
@@ -46,8 +63,8 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
       const int j = i / D4, d = 4 * (i - j * D4);
       float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
       if (j < nt) {
-        kv = *reinterpret_cast<const float4 *>(K + (size_t)(tb + j) * rs + d);
-        vv = *reinterpret_cast<const float4 *>(V + (size_t)(tb + j) * rs + d);
+        kv = cache4<CK>(ck, K + (size_t)(tb + j) * rs + d);
+        vv = cache4<CV>(cv, V + (size_t)(tb + j) * rs + d);
       }
       float *kd = Ks + j * DP + d;
       kd[0] = kv.x; kd[1] = kv.y; kd[2] = kv.z; kd[3] = kv.w;

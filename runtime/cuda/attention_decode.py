@@ -36,21 +36,24 @@ def smem_bytes(G: int, D: int) -> int:
     return 4 * (G * D + 32 * (D + 1) + 32 * D + G * 32)
 
 
-def kernel_name(G: int, D: int) -> str:
+def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
+    """cache: the KV cache's type codes (ops.CACHE_CODE) of the keys and the values."""
     hpw = -(-G // 4)
-    return f"attention_decode_k<{-(-D // 32)}, {4 if hpw == 3 else hpw}>"
+    tail = "" if tuple(cache) == (0, 0) else f", {cache[0]}, {cache[1]}"
+    return f"attention_decode_k<{-(-D // 32)}, {4 if hpw == 3 else hpw}{tail}>"
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
-         split_rows: int | None = None):
+         split_rows: int | None = None, cache=(0, 0)):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
-    passes 1, so each row is split, summed and merged as a one-row decode step does it)."""
+    passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
+    cache's type codes (ops.CACHE_CODE) of the keys and the values."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
     ctx = int(ck.shape[1])
     G, S = H // KV, splits(KV, split_rows or rows, ctx, sms)
-    kern = cu.kernel("attention_decode", kernel_name(G, D))
+    kern = cu.kernel("attention_decode", kernel_name(G, D, cache))
     smem = smem_bytes(G, D)
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem

@@ -267,7 +267,7 @@ class _HostOps:
 
 class CudaExecutor:
     def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
-                 rank: int = 0, collectives=None):
+                 rank: int = 0, collectives=None, cache_types=("f32", "f32")):
         if cp is None:
             raise DeviceUnavailable("the CUDA executor needs CuPy")
         self.rank, self.coll = int(rank), collectives
@@ -292,10 +292,22 @@ class CudaExecutor:
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
+        # the attention caches' types (-ctk / -ctv; runtime/kv_cache.py): f32, bf16 or f16 on the GPU
+        for kind in cache_types:
+            if kind not in K.CACHE_CODE:
+                raise DeviceUnavailable(f"{art.path}: --cache-type {kind}: the CUDA kernels hold the KV cache as "
+                                        f"{', '.join(K.CACHE_CODE)}; choose one of them, or --device cpu")
+        self.cache_types = tuple(cache_types)
+        self.cache_code = {}             # attention cache buffer -> its type code (keys: -ctk, values: -ctv)
+        for o in self.plan["programs"]["decode"]["ops"]:
+            if o["op"] == "attention":
+                self.cache_code[o["cache_k"]] = K.CACHE_CODE[cache_types[0]]
+                self.cache_code[o["cache_v"]] = K.CACHE_CODE[cache_types[1]]
         self._read_levers()
         self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
         free, total = cp.cuda.runtime.memGetInfo()       # refused before anything is uploaded
-        devices.check_fits(devices.device_bytes(self.plan, art.tensors(self.rank), symbols), free, total,
+        devices.check_fits(devices.device_bytes(self.plan, art.tensors(self.rank), symbols,
+                                                {n: 2 for n, c in self.cache_code.items() if c}), free, total,
                            f"{art.path}: rank {self.rank} on GPU {cp.cuda.Device().id}")
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
@@ -307,7 +319,7 @@ class CudaExecutor:
         self.tables = HostTables(art, self.rank, sorted({o[k] for ops in host_ops.values() for o in ops
                                                          for k in P.OPS[o["op"]].weights}))
         self.host: dict[str, _HostOps] = {}
-        self.state = {n: cp.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
+        self.state = {n: cp.zeros(P.shape(b, symbols), cp.uint16 if self.cache_code.get(n) else DTYPES[b["dtype"]])
                       for n, b in shapes.items() if b["kind"] == "state" and n not in host_state}
         self.buffers: dict[str, dict] = {}
         self.inputs: dict[str, tuple] = {}
@@ -465,7 +477,7 @@ class CudaExecutor:
         RD = _rotary_dim(rq)                  # partial rotary: the other D - RD values pass through to the cache
         invf = cp.asarray(inv_freq(float(rq["theta"]), RD, rq.get("scaling")))     # core/rope.py, as NumPy's
         ck = bufs[at["cache_k"]]
-        kern = self.k["rope_qk_kv_k"]
+        kern = K.cache_kernel("rope_qk_kv_k<0, 0>", *self._codes(at))
         args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
                 bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(RD),
                 np.int32(ck.shape[1]))
@@ -609,13 +621,16 @@ class CudaExecutor:
         pos, slot, out = bufs[op["pos"]], bufs[op["slot"]], bufs[op["out"]]
         ck, cv = bufs[op["cache_k"]], bufs[op["cache_v"]]
         ctx = int(ck.shape[1])
-        kw, ka = self.k["kv_write_k"], self.k[f"attention_k<{next(d for d in (1, 2, 4, 8) if 32 * d >= D)}>"]
+        codes = self._codes(op)
+        dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
+        kw, ka = K.cache_kernel("kv_write_k<0, 0>", *codes), K.cache_kernel(f"attention_k<{dpl}>", *codes)
         nw = 8
         smem = 4 * (D + 2 * nw + nw * D)
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
         self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
         sel = self._attn_select(op, bufs, rows, ctx) if "select" in op else None   # qwen4_exp's QSA selection
-        chunk = self._attn_chunk(H, KV, D, select=sel is not None) if prog not in ("decode", "verify") else None
+        chunk = (self._attn_chunk(H, KV, D, select=sel is not None, codes=codes) if prog not in ("decode", "verify")
+                 else None)
         if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
             kc, rb, csmem = chunk
             cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
@@ -625,18 +640,22 @@ class CudaExecutor:
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         elif sel is None and self.attn_mode == "split" and AD.supports(H, KV, D) is None:
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
-                             split_rows=1 if prog == "verify" else None)
+                             split_rows=1 if prog == "verify" else None, cache=codes)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
             if sel is not None:
-                ka = K.select_kernels()[f"attention_sel_k<{next(d for d in (1, 2, 4, 8) if 32 * d >= D)}>"]
+                ka = K.cache_kernel(f"attention_sel_k<{dpl}>", *codes)
                 aargs = aargs[:5] + sel[1:3] + aargs[5:]
             attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
         steps = [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
         return steps if sel is None else [sel[0]] + steps
 
-    def _attn_chunk(self, H: int, KV: int, D: int, select: bool = False):
+    def _codes(self, op) -> tuple[int, int]:
+        """An attention op's cache type codes (keys, values): ops.CACHE_CODE."""
+        return self.cache_code.get(op["cache_k"], 0), self.cache_code.get(op["cache_v"], 0)
+
+    def _attn_chunk(self, H: int, KV: int, D: int, select: bool = False, codes=(0, 0)):
         """(kernel, rows per CTA, shared bytes) of attn_chunk_k (attn_chunk_sel_k with `select`) for this
         head shape, or None (the per-row kernel then serves prompt chunks too)."""
         G = H // KV
@@ -646,8 +665,7 @@ class CudaExecutor:
         qn = 32 * qpt
         dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
         smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33 + (qn if select else 0))   # + the tile masks
-        kern = (K.select_kernels()[f"attn_chunk_sel_k<{dpl}, {qpt}>"] if select
-                else self.k[f"attn_chunk_k<{dpl}, {qpt}>"])
+        kern = K.cache_kernel(f"attn_chunk_sel_k<{dpl}, {qpt}>" if select else f"attn_chunk_k<{dpl}, {qpt}>", *codes)
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
         return kern, qn // G, smem
@@ -978,6 +996,10 @@ class CudaExecutor:
             for n, a in saved.items():
                 (self.host_state if n in self.host_state else self.state)[n][slot] = a
         self.stream.synchronize()
+
+    def state_nbytes(self) -> int:
+        """Bytes of the per-slot state (KV caches in their type, recurrent states, host ops' states)."""
+        return sum(int(a.nbytes) for a in self.state.values()) + sum(int(a.nbytes) for a in self.host_state.values())
 
     def weight_nbytes(self) -> int:
         return self.w.nbytes

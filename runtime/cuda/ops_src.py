@@ -16,6 +16,33 @@ typedef unsigned char u8;
 __device__ __forceinline__ float bf16f(u16 v) { return __uint_as_float(((u32)v) << 16); }
 __device__ __forceinline__ float f16f(u16 v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
 
+// The KV cache's element type (runtime/kv_cache.py; CT 0 f32, 1 bf16, 2 f16: the embed table's codes):
+// values rounded to nearest even when written, decoded to float32 when read (NumPy's astype).
+template <int CT> __device__ __forceinline__ float cget(const void *p, size_t i) {
+  if constexpr (CT == 0) return reinterpret_cast<const float *>(p)[i];
+  else if constexpr (CT == 1) return bf16f(reinterpret_cast<const u16 *>(p)[i]);
+  else return f16f(reinterpret_cast<const u16 *>(p)[i]);
+}
+template <int CT> __device__ __forceinline__ void cput(void *p, size_t i, float v) {
+  if constexpr (CT == 0) { reinterpret_cast<float *>(p)[i] = v; }
+  else {
+    u16 h;
+    if constexpr (CT == 1) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    reinterpret_cast<u16 *>(p)[i] = h;
+  }
+}
+// four consecutive values from element i (i % 4 == 0): one 16-byte or one 8-byte load
+template <int CT> __device__ __forceinline__ float4 cget4(const void *p, size_t i) {
+  if constexpr (CT == 0) return *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
+  else {
+    const uint2 w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const u16 *>(p) + i);
+    const u16 a = (u16)(w.x & 0xFFFFu), b = (u16)(w.x >> 16), c = (u16)(w.y & 0xFFFFu), d = (u16)(w.y >> 16);
+    if constexpr (CT == 1) return make_float4(bf16f(a), bf16f(b), bf16f(c), bf16f(d));
+    else return make_float4(f16f(a), f16f(b), f16f(c), f16f(d));
+  }
+}
+
 // block-wide sum (blockDim.x a multiple of 32, <= 1024); every thread gets the total
 __device__ __forceinline__ float block_sum(float v, float *sh) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -94,9 +121,10 @@ __global__ void rope_k(const float *__restrict__ x, float *__restrict__ out, con
 // are roped in place). A thread per (row, head, i < D/2): i < RD/2 rotates the pair (i, i + RD/2);
 // with partial rotary (RD < D) the others carry the pass-through values RD + 2(i - RD/2) and the one
 // after it (D - RD is even) into the cache unchanged.
+template <int CK, int CV>
 __global__ void rope_qk_kv_k(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
                              const int *__restrict__ pos, const int *__restrict__ slot, const float *__restrict__ invf,
-                             float *__restrict__ ck, float *__restrict__ cv, int rows, int Hq, int Hk, int D, int RD,
+                             void *__restrict__ ck, void *__restrict__ cv, int rows, int Hq, int Hk, int D, int RD,
                              int ctx) {
   const int half = D / 2, rh2 = RD / 2;
   const int nq = rows * Hq * half, n = nq + rows * Hk * half;
@@ -119,27 +147,28 @@ __global__ void rope_qk_kv_k(float *__restrict__ q, float *__restrict__ k, const
       x[b + i] = y1;
       x[b + i + rh2] = y2;
       if (wr) {
-        ck[cb + i] = y1; ck[cb + i + rh2] = y2;
-        cv[cb + i] = v[b + i]; cv[cb + i + rh2] = v[b + i + rh2];
+        cput<CK>(ck, cb + i, y1); cput<CK>(ck, cb + i + rh2, y2);
+        cput<CV>(cv, cb + i, v[b + i]); cput<CV>(cv, cb + i + rh2, v[b + i + rh2]);
       }
     } else if (wr) {
       const int e = RD + 2 * (i - rh2);
-      ck[cb + e] = x[b + e]; ck[cb + e + 1] = x[b + e + 1];
-      cv[cb + e] = v[b + e]; cv[cb + e + 1] = v[b + e + 1];
+      cput<CK>(ck, cb + e, x[b + e]); cput<CK>(ck, cb + e + 1, x[b + e + 1]);
+      cput<CV>(cv, cb + e, v[b + e]); cput<CV>(cv, cb + e + 1, v[b + e + 1]);
     }
   }
 }
 
 // the KV-cache write of attention: every active row's k, v at cache[slot, pos] (grid: rows)
+template <int CK, int CV>
 __global__ void kv_write_k(const float *__restrict__ k, const float *__restrict__ v, const int *__restrict__ pos,
-                           const int *__restrict__ slot, float *__restrict__ ck, float *__restrict__ cv,
+                           const int *__restrict__ slot, void *__restrict__ ck, void *__restrict__ cv,
                            int n, int ctx) {
   const int r = blockIdx.x, p = pos[r];
   if (p < 0 || p >= ctx) return;
   const size_t base = ((size_t)slot[r] * ctx + p) * n;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    ck[base + i] = k[(size_t)r * n + i];
-    cv[base + i] = v[(size_t)r * n + i];
+    cput<CK>(ck, base + i, k[(size_t)r * n + i]);
+    cput<CV>(cv, base + i, v[(size_t)r * n + i]);
   }
 }
 
@@ -150,9 +179,9 @@ __global__ void kv_write_k(const float *__restrict__ k, const float *__restrict_
 // D % 4 == 0, D <= 32 * DPL. With SEL (attention_sel_k: the op's `select`), the keys are the row's
 // entries of attn_select_k's compact list (list[r * lw] = n, then n ascending unique positions, each
 // <= the row's position) in place of 0..pos: key j of the walk is position L[j]; n == 0 gives zeros.
-template <int DPL, bool SEL>
-__device__ __forceinline__ void attend_row(const float *__restrict__ q, const float *__restrict__ ck,
-                                           const float *__restrict__ cv, const int *__restrict__ pos,
+template <int DPL, bool SEL, int CK, int CV>
+__device__ __forceinline__ void attend_row(const float *__restrict__ q, const void *__restrict__ ck,
+                                           const void *__restrict__ cv, const int *__restrict__ pos,
                                            const int *__restrict__ slot, const int *__restrict__ list, int lw,
                                            float *__restrict__ out, int H, int KV, int D, int ctx, float scale) {
   extern __shared__ float sh[];
@@ -168,8 +197,7 @@ __device__ __forceinline__ void attend_row(const float *__restrict__ q, const fl
   const int pe = SEL ? nsel - 1 : min(p, ctx - 1);      // the walk's last key (SEL: its index in L)
   const int s = slot[r], kvh = h / (H / KV);
   const size_t rs = (size_t)KV * D;
-  const float *K = ck + (size_t)s * ctx * rs + (size_t)kvh * D;
-  const float *V = cv + (size_t)s * ctx * rs + (size_t)kvh * D;
+  const size_t K = (size_t)s * ctx * rs + (size_t)kvh * D, V = K;   // element offsets into ck, cv
   float *qs = sh, *wm = sh + D, *wl = wm + nw, *wacc = wl + nw;
   for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = q[((size_t)r * H + h) * D + i];
   __syncthreads();
@@ -180,12 +208,12 @@ __device__ __forceinline__ void attend_row(const float *__restrict__ q, const fl
     const int t = t0 + lane;
     float sc = NEG_INF;
     if (t <= pe) {
-      const float *kr = K + (size_t)(SEL ? L[t] : t) * rs;
+      const size_t kr = K + (size_t)(SEL ? L[t] : t) * rs;
       float d = 0.f;
 #pragma unroll
       for (int i = 0; i < 32 * DPL; i += 4) {      // unrolled: the row's loads are independent, all in flight
         if (i < D) {
-          const float4 kv = *reinterpret_cast<const float4 *>(kr + i);
+          const float4 kv = cget4<CK>(ck, kr + i);
           d = fmaf(qs[i], kv.x, d); d = fmaf(qs[i + 1], kv.y, d); d = fmaf(qs[i + 2], kv.z, d); d = fmaf(qs[i + 3], kv.w, d);
         }
       }
@@ -208,13 +236,13 @@ __device__ __forceinline__ void attend_row(const float *__restrict__ q, const fl
       float vv[8][DPL];
 #pragma unroll
       for (int u = 0; u < 8; u++) {
-        const float *vr;
+        size_t vr;
         if constexpr (SEL) vr = V + (size_t)(jb + u < nt ? L[t0 + jb + u] : 0) * rs;
         else vr = V + (size_t)(t0 + jb + u) * rs;
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
           const int d = lane + 32 * i;
-          vv[u][i] = (jb + u < nt && d < D) ? vr[d] : 0.f;
+          vv[u][i] = (jb + u < nt && d < D) ? cget<CV>(cv, vr + d) : 0.f;
         }
       }
 #pragma unroll
@@ -246,19 +274,19 @@ __device__ __forceinline__ void attend_row(const float *__restrict__ q, const fl
   }
 }
 
-template <int DPL>
-__global__ void attention_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
+template <int DPL, int CK = 0, int CV = 0>
+__global__ void attention_k(const float *__restrict__ q, const void *__restrict__ ck, const void *__restrict__ cv,
                             const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
                             int H, int KV, int D, int ctx, float scale) {
-  attend_row<DPL, false>(q, ck, cv, pos, slot, nullptr, 0, out, H, KV, D, ctx, scale);
+  attend_row<DPL, false, CK, CV>(q, ck, cv, pos, slot, nullptr, 0, out, H, KV, D, ctx, scale);
 }
 
-template <int DPL>
-__global__ void attention_sel_k(const float *__restrict__ q, const float *__restrict__ ck, const float *__restrict__ cv,
+template <int DPL, int CK = 0, int CV = 0>
+__global__ void attention_sel_k(const float *__restrict__ q, const void *__restrict__ ck, const void *__restrict__ cv,
                                 const int *__restrict__ pos, const int *__restrict__ slot,
                                 const int *__restrict__ list, int lw, float *__restrict__ out,
                                 int H, int KV, int D, int ctx, float scale) {
-  attend_row<DPL, true>(q, ck, cv, pos, slot, list, lw, out, H, KV, D, ctx, scale);
+  attend_row<DPL, true, CK, CV>(q, ck, cv, pos, slot, list, lw, out, H, KV, D, ctx, scale);
 }
 
 // Prompt-chunk attention: one CTA per (kv head, block of RB rows). Its QN = 32 * QPT query vectors (RB
@@ -270,9 +298,9 @@ __global__ void attention_sel_k(const float *__restrict__ q, const float *__rest
 // bits[r * nw + t / 32] bit t % 32, written for t <= the row's position) AND the causal bound: a tile's
 // bit masks are staged per row (Ms, QN words after Ps) and a tile no row selects is skipped; a row
 // whose list is empty (list[r * lw] == 0) gives zeros.
-template <int DPL, int QPT, bool SEL>
-__device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const float *__restrict__ ck,
-    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
+template <int DPL, int QPT, bool SEL, int CK, int CV>
+__device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const void *__restrict__ ck,
+    const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
     const int *__restrict__ list, int lw, const unsigned *__restrict__ bits, int nwords, float *__restrict__ out,
     int rows, int H, int KV, int D, int ctx, float scale) {
   constexpr int QN = 32 * QPT, KT = 32, RW = QN / 8, PS = KT + 1;
@@ -304,8 +332,7 @@ __device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const 
   __syncthreads();
   const int tmax = smax;
   const size_t rs = (size_t)KV * D;
-  const float *Kb = ck + (size_t)max(lead, 0) * ctx * rs + (size_t)kvh * D;
-  const float *Vb = cv + (size_t)max(lead, 0) * ctx * rs + (size_t)kvh * D;
+  const size_t Kb = (size_t)max(lead, 0) * ctx * rs + (size_t)kvh * D, Vb = Kb;   // element offsets
   float m[RW], l[RW], acc[RW][DPL];
 #pragma unroll
   for (int i = 0; i < RW; i++) {
@@ -325,8 +352,8 @@ __device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const 
     for (int i = tid; i < KT * D; i += blockDim.x) {
       const int j = i / D, d = i - j * D, t = t0 + j;
       const bool ok = t <= tmax;
-      Ks[j * DP + d] = ok ? Kb[(size_t)t * rs + d] : 0.f;
-      Vs[j * D + d] = ok ? Vb[(size_t)t * rs + d] : 0.f;
+      Ks[j * DP + d] = ok ? cget<CK>(ck, Kb + (size_t)t * rs + d) : 0.f;
+      Vs[j * D + d] = ok ? cget<CV>(cv, Vb + (size_t)t * rs + d) : 0.f;
     }
     __syncthreads();
     float s[QPT][4];
@@ -404,19 +431,19 @@ __device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const 
   }
 }
 
-template <int DPL, int QPT>
-__global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const float *__restrict__ ck,
-    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
+template <int DPL, int QPT, int CK = 0, int CV = 0>
+__global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const void *__restrict__ ck,
+    const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
     int rows, int H, int KV, int D, int ctx, float scale) {
-  attend_chunk<DPL, QPT, false>(q, ck, cv, pos, slot, nullptr, 0, nullptr, 0, out, rows, H, KV, D, ctx, scale);
+  attend_chunk<DPL, QPT, false, CK, CV>(q, ck, cv, pos, slot, nullptr, 0, nullptr, 0, out, rows, H, KV, D, ctx, scale);
 }
 
-template <int DPL, int QPT>
-__global__ void __launch_bounds__(256) attn_chunk_sel_k(const float *__restrict__ q, const float *__restrict__ ck,
-    const float *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
+template <int DPL, int QPT, int CK = 0, int CV = 0>
+__global__ void __launch_bounds__(256) attn_chunk_sel_k(const float *__restrict__ q, const void *__restrict__ ck,
+    const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
     const int *__restrict__ list, int lw, const unsigned *__restrict__ bits, int nwords, float *__restrict__ out,
     int rows, int H, int KV, int D, int ctx, float scale) {
-  attend_chunk<DPL, QPT, true>(q, ck, cv, pos, slot, list, lw, bits, nwords, out, rows, H, KV, D, ctx, scale);
+  attend_chunk<DPL, QPT, true, CK, CV>(q, ck, cv, pos, slot, list, lw, bits, nwords, out, rows, H, KV, D, ctx, scale);
 }
 
 // block-wide exclusive prefix sum of v (blockDim.x a multiple of 32, <= 1024; sh: 32 ints); *total gets
