@@ -509,7 +509,7 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
               "has no files to check.)")
 @click.option("--draft", type=click.Choice(["auto", "off", "ngram"]), default="auto", show_default=True,
               help="Speculative decoding of a greedy request with -np 1: its n-gram drafts checked in one verify "
-              "pass, the reply the same as with off. auto: ngram where measured faster (the CPU, -np 1), else off.")
+              "pass, the reply the same as with off. auto: ngram at -np 1 (measured faster on the CPU and the GPU), else off.")
 @cache_type_options
 @refusals
 def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
