@@ -261,8 +261,7 @@ class Engine:
         vslot, n = self._verified
         if vslot != slot or not 1 <= keep <= n:
             raise ValueError(f"accept({keep}) of slot {slot} after a verify pass of {n} rows of slot {vslot}")
-        if keep < n or self.device == "cuda":      # the CUDA graph restored the greedy rule's rows already
-            self.exec.keep(slot, keep - 1)
+        self.exec.keep(slot, keep - 1)             # the states after the last kept row (the executor's histories)
         self.lengths[slot] += keep
         self._verified = (None, 0)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from bloomery.core import plan as P
 from bloomery.core.formats.q8_0 import BLOCK, BYTES, FORMAT as Q8
 
 from .errors import RuntimeRefusal
@@ -33,6 +34,20 @@ FP8_MAX = 448.0
 
 class CacheTypeRefused(RuntimeRefusal):
     """A KV-cache type this model or executor cannot take (q8_0 off its block, fp8 without scales)."""
+
+
+def typed_caches(plan: dict, cache_types) -> list[tuple[dict, str, str]]:
+    """(attention op, its cache key "cache_k" / "cache_v", type) of every attention cache of the plan's
+    programs (the mtp program's too) held in a type other than f32: what both executors hold typed.
+    Refused by name where a type is asked of a model with no attention cache."""
+    if tuple(cache_types) == ("f32", "f32"):
+        return []
+    ops = [o for prog in P.programs_of(plan) for o in plan["programs"][prog]["ops"] if o["op"] == "attention"]
+    if not ops:
+        raise CacheTypeRefused(f"--cache-type {'/'.join(cache_types)}: this model keeps no attention K/V cache "
+                               f"(glm5_next's MLA latent cache and the indexers' key caches stay float32); use f32")
+    return [(o, key, kind) for o in ops for key, kind in (("cache_k", cache_types[0]), ("cache_v", cache_types[1]))
+            if kind != "f32"]
 
 
 class KvStore:

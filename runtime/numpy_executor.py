@@ -18,7 +18,7 @@ import numpy as np
 from bloomery.core import plan as P
 
 from .errors import PlanMismatch
-from .kv_cache import CacheTypeRefused, KvStore
+from .kv_cache import KvStore, typed_caches
 from .ops import IMPL
 
 DTYPES = {"f32": np.float32, "i32": np.int32}
@@ -30,23 +30,17 @@ class NumpyExecutor:
         _check_lockstep(plans)
         state = [{n: np.zeros(P.shape(b, symbols), DTYPES[b["dtype"]])
                   for n, b in p["buffers"].items() if b["kind"] == "state"} for p in plans]
-        if tuple(cache_types) != ("f32", "f32"):           # the attention caches in the chosen types (kv_cache.py)
-            if not any(o["op"] == "attention" for o in plans[0]["programs"]["decode"]["ops"]):
-                raise CacheTypeRefused(f"--cache-type {'/'.join(cache_types)}: this model keeps no attention K/V cache "
-                                       f"(glm5_next's MLA latent cache and the indexers' key caches stay float32); "
-                                       f"use f32")
-            for p, st, w in zip(plans, state, weights):
-                for op in (o for prog in P.programs_of(p) for o in p["programs"][prog]["ops"]):
-                    if op["op"] != "attention":
-                        continue
-                    for key, kind, sc in (("cache_k", cache_types[0], "k_scale"), ("cache_v", cache_types[1], "v_scale")):
-                        if kind != "f32" and not isinstance(st[op[key]], KvStore):
-                            scale = float(w[op[sc]].reshape(-1)[0]) if sc in op else None
-                            st[op[key]] = KvStore(kind, st[op[key]].shape, scale, where=f"{op[key]} ({kind})")
+        for p, st, w in zip(plans, state, weights):          # the attention caches in the chosen types (kv_cache.py)
+            for op, key, kind in typed_caches(p, cache_types):
+                if not isinstance(st[op[key]], KvStore):
+                    sc = "k_scale" if key == "cache_k" else "v_scale"
+                    scale = float(w[op[sc]].reshape(-1)[0]) if sc in op else None
+                    st[op[key]] = KvStore(kind, st[op[key]].shape, scale, where=f"{op[key]} ({kind})")
         self.buffers: dict[str, list[dict]] = {}
         self.steps: dict[str, list] = {}
         self.where: dict[str, list] = {}     # per step: (op index, op name)
         self.row_steps: list[list] = []      # the verify program's steps on each row's views
+        self._kept: list | None = None       # keep()'s (state, history) pairs
         progs = {p: r for p, r in P.programs_of(plans[0]).items() if r in symbols}
         for prog, rows_sym in progs.items():
             bind = {**symbols, "rows": symbols[rows_sym]}
@@ -107,10 +101,12 @@ class NumpyExecutor:
     def keep(self, slot: int, row: int) -> None:
         """After a verify run: the recurrent states of `slot` as they were after verify row `row`
         (the last accepted one), from the history the state ops wrote."""
-        for p, bufs, st in zip(self.plans, self.buffers["verify"], self.state):
-            for op in p["programs"]["verify"]["ops"]:
-                if "history" in op:
-                    st[op[P.OPS[op["op"]].state[0]]][slot] = bufs[op["history"]][row]
+        if self._kept is None:                       # (state, its history) of every rank's state ops, once
+            self._kept = [(st[op[P.OPS[op["op"]].state[0]]], bufs[op["history"]])
+                          for p, bufs, st in zip(self.plans, self.buffers["verify"], self.state)
+                          for op in p["programs"]["verify"]["ops"] if "history" in op]
+        for state, hist in self._kept:
+            state[slot] = hist[row]
 
     def reset(self, slot: int | None = None) -> None:
         """Clears the state buffers (of one slot: their first axis)."""

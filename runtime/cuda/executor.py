@@ -66,6 +66,7 @@ from bloomery.core import plan as P
 from bloomery.core.rope import inv_freq
 
 from .. import device as devices
+from .. import kv_cache
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
 from . import cu
@@ -297,17 +298,13 @@ class CudaExecutor:
             if kind not in K.CACHE_CODE:
                 raise DeviceUnavailable(f"{art.path}: --cache-type {kind}: the CUDA kernels hold the KV cache as "
                                         f"{', '.join(K.CACHE_CODE)}; choose one of them, or --device cpu")
-        self.cache_types = tuple(cache_types)
-        self.cache_code = {}             # attention cache buffer -> its type code (keys: -ctk, values: -ctv)
-        for o in self.plan["programs"]["decode"]["ops"]:
-            if o["op"] == "attention":
-                self.cache_code[o["cache_k"]] = K.CACHE_CODE[cache_types[0]]
-                self.cache_code[o["cache_v"]] = K.CACHE_CODE[cache_types[1]]
+        # attention cache buffer -> its type code where not f32 (keys: -ctk, values: -ctv)
+        self.cache_code = {o[key]: K.CACHE_CODE[kind] for o, key, kind in kv_cache.typed_caches(self.plan, cache_types)}
         self._read_levers()
         self.mm = None                   # the prefill GEMM (made when a linear of > 8 rows is bound)
         free, total = cp.cuda.runtime.memGetInfo()       # refused before anything is uploaded
         devices.check_fits(devices.device_bytes(self.plan, art.tensors(self.rank), symbols,
-                                                {n: 2 for n, c in self.cache_code.items() if c}), free, total,
+                                                dict.fromkeys(self.cache_code, 2)), free, total,
                            f"{art.path}: rank {self.rank} on GPU {cp.cuda.Device().id}")
         t0 = time.perf_counter()
         self.w = DeviceWeights(art, self.rank, P.weights_of(self.plan))
@@ -332,7 +329,6 @@ class CudaExecutor:
         self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
         self._pooled: dict = {}          # scratch shared by ops (_pool)
         self.keeper = None               # the verify graphs' last launch (verify_keep.py)
-        self._kept_host = None           # its count, copied back (pinned)
         self.finputs: dict = {}          # per program: float32 input name -> (device, pinned memory, host view)
         self.verified_keep = 0           # the rows the last verify pass kept, as the device decided
         for prog, rows_sym in self.progs.items():
@@ -447,11 +443,15 @@ class CudaExecutor:
             ops = self.plan["programs"]["verify"]["ops"]
             pairs = [(full[o["history"]], self.state[o[P.OPS[o["op"]].state[0]]]) for o in ops
                      if "history" in o and not P.OPS[o["op"]].host]
+            # host ops' states (qwen4_exp's n-gram context) and their host histories, restored by keep()
+            self._host_keep = [(self.host_state[o[P.OPS[o["op"]].state[0]]], self.host["verify"].bufs[o["history"]])
+                               for o in ops if "history" in o and P.OPS[o["op"]].host]
             self.keeper = VK.Keep(pairs, full["tokens"], full["next_token"], full["positions"], full["slot_ids"],
                                   self.rows(prog))
         for r in self.counts[prog]:
             views = {n: (a[:r] if shapes[n]["kind"] != "state" and shapes[n]["shape"][:1] == ["rows"] else a)
                      for n, a in full.items()}
+            self.flops[prog] = {"linear": 0, "attention_per_key": 0}     # per run: the last binding's (all rows)
             steps = self._bind(prog, r, views, tag_key=(prog, r))
             if prog == "verify":
                 steps.append(self.keeper.step)
@@ -477,7 +477,7 @@ class CudaExecutor:
         RD = _rotary_dim(rq)                  # partial rotary: the other D - RD values pass through to the cache
         invf = cp.asarray(inv_freq(float(rq["theta"]), RD, rq.get("scaling")))     # core/rope.py, as NumPy's
         ck = bufs[at["cache_k"]]
-        kern = K.cache_kernel("rope_qk_kv_k<0, 0>", *self._codes(at))
+        kern = K.cache_kernel("rope_qk_kv_k", (), self._codes(at))
         args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
                 bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(RD),
                 np.int32(ck.shape[1]))
@@ -623,7 +623,7 @@ class CudaExecutor:
         ctx = int(ck.shape[1])
         codes = self._codes(op)
         dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
-        kw, ka = K.cache_kernel("kv_write_k<0, 0>", *codes), K.cache_kernel(f"attention_k<{dpl}>", *codes)
+        kw, ka = K.cache_kernel("kv_write_k", (), codes), K.cache_kernel("attention_k", (dpl,), codes)
         nw = 8
         smem = 4 * (D + 2 * nw + nw * D)
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
@@ -645,7 +645,7 @@ class CudaExecutor:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
             if sel is not None:
-                ka = K.cache_kernel(f"attention_sel_k<{dpl}>", *codes)
+                ka = K.cache_kernel("attention_sel_k", (dpl,), codes)
                 aargs = aargs[:5] + sel[1:3] + aargs[5:]
             attend = lambda: ka((H, rows), (32 * nw,), aargs, shared_mem=smem)   # noqa: E731
         steps = [lambda: kw((rows,), (128,), wargs), attend] if write else [attend]
@@ -665,7 +665,7 @@ class CudaExecutor:
         qn = 32 * qpt
         dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
         smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33 + (qn if select else 0))   # + the tile masks
-        kern = K.cache_kernel(f"attn_chunk_sel_k<{dpl}, {qpt}>" if select else f"attn_chunk_k<{dpl}, {qpt}>", *codes)
+        kern = K.cache_kernel("attn_chunk_sel_k" if select else "attn_chunk_k", (dpl, qpt), codes)
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
         return kern, qn // G, smem
@@ -914,14 +914,10 @@ class CudaExecutor:
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
             res[n] = h[lo:hi] if a.ndim else h
         if prog == "verify":
-            if self._kept_host is None:
-                self._kept_mem = cp.cuda.alloc_pinned_memory(4)
-                self._kept_host = np.frombuffer(self._kept_mem, np.int32, 1)
-            cp.cuda.runtime.memcpyAsync(self._kept_mem.ptr, self.keeper.out.data.ptr, 4,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            self.keeper.fetch(self.stream)               # the kept count, with the outputs: one sync
         self.stream.synchronize()
         if prog == "verify":
-            self.verified_keep = int(self._kept_host[0])
+            self.verified_keep = self.keeper.kept()
         return res
 
     def keep(self, slot: int, row: int) -> None:
@@ -929,9 +925,8 @@ class CudaExecutor:
         last kept one). The graph has already restored the device states to the row the greedy rule
         kept (verified_keep - 1); another row is restored here by one launch (no host sync). Host
         ops' states (qwen4_exp's n-gram context) are restored from their host histories."""
-        for o in self.plan["programs"]["verify"]["ops"]:
-            if "history" in o and P.OPS[o["op"]].host:
-                self.host_state[o[P.OPS[o["op"]].state[0]]][slot] = self.host["verify"].bufs[o["history"]][row]
+        for state, hist in self._host_keep:
+            state[slot] = hist[row]
         if row + 1 != self.verified_keep:
             with self.stream:
                 self.keeper.force(row)

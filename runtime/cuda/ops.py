@@ -10,11 +10,12 @@ except Exception:                        # pragma: no cover - depends on the mac
 from .ops_src import SOURCE
 
 NAMES = ("embed_k<0>", "embed_k<1>", "embed_k<2>", "rmsnorm_k", "rope_k", "rope_qk_kv_k<0, 0>", "kv_write_k<0, 0>",
-         "attention_k<1>", "attention_k<2>", "attention_k<4>", "attention_k<8>", *(f"attn_chunk_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "swiglu_limit_k", "add_k",
+         *(f"attention_k<{d}, 0, 0>" for d in (1, 2, 4, 8)),
+         *(f"attn_chunk_k<{d}, {q}, 0, 0>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "swiglu_limit_k", "add_k",
          "scale_cols_k", "scale_cols_e_k", "moe_topk_k", "moe_combine_k", "argmax_k", "advance_k")
 # attention's `select` (qwen4_exp's QSA): a second module of SOURCE, compiled when a plan first has one
-SELECT_NAMES = ("attn_select_k", *(f"attention_sel_k<{d}>" for d in (1, 2, 4, 8)),
-                *(f"attn_chunk_sel_k<{d}, {q}>" for d in (1, 2, 4, 8) for q in (1, 2)))
+SELECT_NAMES = ("attn_select_k", *(f"attention_sel_k<{d}, 0, 0>" for d in (1, 2, 4, 8)),
+                *(f"attn_chunk_sel_k<{d}, {q}, 0, 0>" for d in (1, 2, 4, 8) for q in (1, 2)))
 OPTIONS = ("-std=c++17",)
 _K: dict = {}
 _S: dict = {}
@@ -47,18 +48,15 @@ CACHE_CODE = {"f32": 0, "bf16": 1, "f16": 2}      # ops_src.py cget / cput: the 
 _C: dict = {}
 
 
-def cache_kernel(name: str, ck: int, cv: int):
-    """The instance of an attention kernel for cache types (ck, cv) (CACHE_CODE): `name` as
-    kernels() / select_kernels() name it for the float32 cache ("attention_k<2>", "kv_write_k<0, 0>");
-    other types compiled on first use, one kernel a module."""
-    if (ck, cv) == (0, 0):
-        return (select_kernels() if "_sel_" in name or name.startswith("attn_select") else kernels())[name]
-    base, _, args = name.partition("<")
-    args = [a.strip() for a in args.rstrip(">").split(",") if a.strip()]
-    if base in ("rope_qk_kv_k", "kv_write_k"):
-        args = []
-    typed = f"{base}<{', '.join([*args, str(ck), str(cv)])}>"
-    if typed not in _C:
-        mod = cp.RawModule(code=SOURCE, options=OPTIONS, name_expressions=[typed])
-        _C[typed] = (mod, mod.get_function(typed))
-    return _C[typed][1]
+def cache_kernel(base: str, args: tuple, codes) -> object:
+    """The attention kernel base<args..., ck, cv> for the cache type codes (ck, cv) (CACHE_CODE): the
+    float32 ones from kernels() / select_kernels(), the others compiled on first use (a module each)."""
+    name = f"{base}<{', '.join(str(int(a)) for a in (*args, *codes))}>"
+    if name in NAMES:
+        return kernels()[name]
+    if name in SELECT_NAMES:
+        return select_kernels()[name]
+    if name not in _C:
+        mod = cp.RawModule(code=SOURCE, options=OPTIONS, name_expressions=[name])
+        _C[name] = (mod, mod.get_function(name))
+    return _C[name][1]

@@ -274,14 +274,14 @@ __device__ __forceinline__ void attend_row(const float *__restrict__ q, const vo
   }
 }
 
-template <int DPL, int CK = 0, int CV = 0>
+template <int DPL, int CK, int CV>
 __global__ void attention_k(const float *__restrict__ q, const void *__restrict__ ck, const void *__restrict__ cv,
                             const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
                             int H, int KV, int D, int ctx, float scale) {
   attend_row<DPL, false, CK, CV>(q, ck, cv, pos, slot, nullptr, 0, out, H, KV, D, ctx, scale);
 }
 
-template <int DPL, int CK = 0, int CV = 0>
+template <int DPL, int CK, int CV>
 __global__ void attention_sel_k(const float *__restrict__ q, const void *__restrict__ ck, const void *__restrict__ cv,
                                 const int *__restrict__ pos, const int *__restrict__ slot,
                                 const int *__restrict__ list, int lw, float *__restrict__ out,
@@ -431,14 +431,14 @@ __device__ __forceinline__ void attend_chunk(const float *__restrict__ q, const 
   }
 }
 
-template <int DPL, int QPT, int CK = 0, int CV = 0>
+template <int DPL, int QPT, int CK, int CV>
 __global__ void __launch_bounds__(256) attn_chunk_k(const float *__restrict__ q, const void *__restrict__ ck,
     const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
     int rows, int H, int KV, int D, int ctx, float scale) {
   attend_chunk<DPL, QPT, false, CK, CV>(q, ck, cv, pos, slot, nullptr, 0, nullptr, 0, out, rows, H, KV, D, ctx, scale);
 }
 
-template <int DPL, int QPT, int CK = 0, int CV = 0>
+template <int DPL, int QPT, int CK, int CV>
 __global__ void __launch_bounds__(256) attn_chunk_sel_k(const float *__restrict__ q, const void *__restrict__ ck,
     const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot,
     const int *__restrict__ list, int lw, const unsigned *__restrict__ bits, int nwords, float *__restrict__ out,

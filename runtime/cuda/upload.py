@@ -7,7 +7,7 @@ thread (measured 1.3 GB/s for the 8B shape's 6 GB on the H200 machine).
     up = Uploader()
     d = up.put(host_array)        # a device array; its bytes land asynchronously
     up.finish()                   # every put has landed (the executor calls it before its first kernel);
-                                  # the pinned buffers are freed
+                                  # the pinned buffers and the copy threads are freed
 
 The copies run on a blocking stream: work on CuPy's default (legacy null) stream, such as the
 bind-time transforms of some weights, waits for them, while the executor's own (non-blocking)
@@ -16,7 +16,6 @@ stream is ordered by finish(). `BLOOMERY_UPLOAD=plain` (specs/levers.yaml) uses 
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,10 +38,9 @@ class Uploader:
         self._bufs: list = []            # pinned buffers, made on first use
         self._events: list = [None] * self.depth
         self.threads = max(1, min(int(threads), os.cpu_count() or 1))
-        self._pool = ThreadPoolExecutor(self.threads)
+        self._pool = None                # host copy threads, made on first use, ended by finish()
         self._i = 0
         self.nbytes = 0
-        self.seconds = 0.0               # spent in put() and finish()
 
     def _buffer(self, i: int):
         while len(self._bufs) <= i:
@@ -51,7 +49,6 @@ class Uploader:
 
     def put(self, a: np.ndarray):
         """A device array with a's shape, dtype and bytes (landing when the stream gets there)."""
-        t0 = time.perf_counter()
         a = np.asarray(a)
         dev = cp.empty(a.shape, a.dtype)
         if a.nbytes == 0:
@@ -71,6 +68,7 @@ class Uploader:
             if len(spans) == 1:
                 np.copyto(dst, seg)
             else:                                          # numpy releases the GIL for the copies
+                self._pool = self._pool or ThreadPoolExecutor(self.threads)
                 list(self._pool.map(lambda s: np.copyto(dst[s[0]:s[1]], seg[s[0]:s[1]]), spans))
             cp.cuda.runtime.memcpyAsync(dev.data.ptr + off, buf.ptr, m, cp.cuda.runtime.memcpyHostToDevice,
                                         self.stream.ptr)
@@ -78,13 +76,14 @@ class Uploader:
             ev.record(self.stream)
             self._events[slot] = ev
         self.nbytes += a.nbytes
-        self.seconds += time.perf_counter() - t0
         return dev
 
     def finish(self) -> None:
-        """Waits until every put has landed, then frees the pinned buffers (a later put makes new ones)."""
-        t0 = time.perf_counter()
+        """Waits until every put has landed, then frees the pinned buffers and the threads (a later put
+        makes new ones)."""
         self.stream.synchronize()
         self._bufs.clear()
         self._events = [None] * self.depth
-        self.seconds += time.perf_counter() - t0
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

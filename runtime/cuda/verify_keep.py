@@ -4,6 +4,7 @@ with runtime/draft.py's greedy rule). Not a plan op: the executor appends it to 
 
     k = verify_keep.Keep(pairs, tokens, next_token, pos, slot, rows)   # pairs: [(history, state)]
     k.step()            # in the graph: keep decided from the tokens, the states restored, k.out[0] = keep
+    k.fetch(stream); stream.synchronize(); k.kept()       # that count on the host
     k.force(row)        # outside it: the states set to history row `row` (a caller that keeps fewer)
 """
 
@@ -34,6 +35,8 @@ class Keep:
         self.dst = cp.asarray(np.array([s.data.ptr for _, s in pairs] or [0], np.uint64))
         self.words = cp.asarray(np.array([h[0].size for h, _ in pairs] or [0], np.int64))
         self.out = cp.zeros(1, cp.int32)
+        self._mem = cp.cuda.alloc_pinned_memory(4)      # the count copied back with the pass's outputs
+        self._host = np.frombuffer(self._mem, np.int32, 1)
         self.kern = cu.kernel(STEM, "verify_keep_k")
         self.args = (tokens, next_token, pos, slot, np.int32(rows), self.src, self.dst, self.words,
                      np.int32(len(self.pairs)))
@@ -42,6 +45,14 @@ class Keep:
     def step(self) -> None:
         """The graph's launch: keep decided from the pass's tokens and greedy picks."""
         self.kern(self.grid, (THREADS,), self.args + (np.int32(-1), self.out))
+
+    def fetch(self, stream) -> None:
+        """Queues the copy of the graph's decided count to the host (read by kept() after a sync)."""
+        cp.cuda.runtime.memcpyAsync(self._mem.ptr, self.out.data.ptr, 4, cp.cuda.runtime.memcpyDeviceToHost,
+                                    stream.ptr)
+
+    def kept(self) -> int:
+        return int(self._host[0])
 
     def force(self, row: int) -> None:
         """The slot's states set to history row `row` (launched on the current stream)."""
