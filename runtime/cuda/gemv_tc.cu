@@ -317,3 +317,232 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   }
   if (threadIdx.x == 0) sem[blockIdx.x] = 0;
 }
+
+// ---- One activation row at the memory rate: gemv_nvfp4_tc1<MT, KW, U, CONV> ----------------------------
+//
+//   y[row] = (add ? y[row] : 0) + sum_k x[k] * W[row, k]            (GGML NVFP4, as gemv_nvfp4_tc)
+//
+// The CUDA-core kernel spends ~4 instructions a weight (nibble -> E4M3 -> f16 -> f32, then an FFMA);
+// here the tensor cores take the multiply-add and a weight costs its conversion to an f16 A fragment.
+// A CTA owns 16 MT rows (a row tile) at a time and its KW warps split the row's 64-blocks (warp w: the
+// fixed range [w nbw, (w + 1) nbw), nbw = nblk / KW, U blocks a chunk: the host keeps both exact). The
+// CTA walks the row tiles blockIdx.x, + gridDim.x, ... (a grid smaller than the tile count is
+// persistent). Each warp converts its own k-range of x once per launch, with no CTA-wide staging
+// pass: a power of two for the range, then x's f16 high and low parts in B-fragment order in the
+// warp's shared memory, 18 x 16 bytes a block: [q0 of lanes 0..7][zero][q1 of lanes 0..7][zero]
+// (only the 8 lanes of columns 0 and 1 carry data; the other lanes read the zero lines). Weights go
+// straight to registers, one chunk in flight while the other goes through the tensor cores, and the
+// next tile's first chunk in flight over a tile's epilogue. A tile's per-warp sums meet in shared
+// memory and are added in warp order: deterministic, with no second launch or global scratch.
+//
+// PF 1: each warp asks the L2 for its range of a tile's rows (cp.async.bulk.prefetch) when it starts
+// the tile before it (the first: at the start), so the loads find the weights in the L2 and the
+// bytes in flight to the DRAM are not bounded by the registers of the chunks.
+// CONV 0: nibbles -> E4M3 bytes -> f16x2 by cvt (as gemv_nvfp4_tc), A = e2m1 * s * 2^-6.
+// CONV 1: nibbles -> f16 high bytes by shifts and masks (s.e1e0m -> s000.e1e0m0 is e2m1 * 2^-14: f16's
+//         subnormals line up with E2M1's), PRMT to f16x2, times s * 2^7 in f16: A = e2m1 * s * 2^-7.
+//         No conversion-pipe instruction a weight; the products of CONV 0 halved, so the same float32
+//         sums bit for bit.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
+template <int CONV>
+__device__ __forceinline__ void tc1_word(u32 w, u32 s2, u32 (&h)[4]) {
+  if constexpr (CONV == 0) {
+    nvfp4_word_h2(w, s2, h);
+  } else {
+    const u32 tl = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);   // low nibbles -> s000e1e0m0 bytes
+    const u32 th = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);          // high nibbles
+    h[0] = hmul2(prmt(tl, 0u, 0x1404u), s2); h[1] = hmul2(prmt(tl, 0u, 0x3424u), s2);
+    h[2] = hmul2(prmt(th, 0u, 0x1404u), s2); h[3] = hmul2(prmt(th, 0u, 0x3424u), s2);
+  }
+}
+template <int CONV>
+__device__ __forceinline__ u32 tc1_scale(u32 b) {           // the sub-block scale byte as A's f16x2 factor
+  const u32 s = e4m3x2_h2(b * 0x0101u);
+  return CONV == 0 ? s : hmul2(s, 0x58005800u);             // CONV 1: s * 2^7 (<= 57344: fits f16)
+}
+
+// POST 1: A is the bare converted nibble and each n-tile column pair 2j, 2j + 1 carries x's high / low
+// part of sub-block j only (zero elsewhere), so after a block's four mmas (from zero) lane (g, c) holds
+// rows g and g + 8's sums over sub-block c, which it scales in float32 (one FFMA each) into its
+// running sums: no f16 multiply a weight. The 4 lanes of a row are added at the end (c order).
+__device__ __forceinline__ void mma16816z(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%10,%10,%10,%10};"
+               : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+}
+template <int CONV>
+__device__ __forceinline__ void tc1_raw(u32 w, u32 (&h)[4]) {     // POST 1: no scale
+  if constexpr (CONV == 0) {
+    const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
+    h[0] = e4m3x2_h2(lo & 0xFFFFu); h[1] = e4m3x2_h2(lo >> 16); h[2] = e4m3x2_h2(hi & 0xFFFFu); h[3] = e4m3x2_h2(hi >> 16);
+  } else {
+    const u32 tl = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu), th = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+    h[0] = prmt(tl, 0u, 0x1404u); h[1] = prmt(tl, 0u, 0x3424u); h[2] = prmt(th, 0u, 0x1404u); h[3] = prmt(th, 0u, 0x3424u);
+  }
+}
+
+// a chunk of U blocks: per m-tile, words 2c, 2c + 1 of rows g (a) and g + 8 (b), and their scale bytes
+template <int MT, int U> struct Tc1Chunk { u32 wa[U][MT][2], wb[U][MT][2], sa[U][MT], sb[U][MT]; };
+template <int MT> struct Tc1Rows { const u8 *wa[MT], *wb[MT], *sa[MT], *sb[MT]; };   // lane's words / scale byte
+
+template <int MT, int U>
+__device__ __forceinline__ void tc1_load(Tc1Chunk<MT, U> &q, const Tc1Rows<MT> &r) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      q.wa[u][mt][0] = __ldg(reinterpret_cast<const u32 *>(r.wa[mt] + 36 * u));
+      q.wa[u][mt][1] = __ldg(reinterpret_cast<const u32 *>(r.wa[mt] + 36 * u + 4));
+      q.wb[u][mt][0] = __ldg(reinterpret_cast<const u32 *>(r.wb[mt] + 36 * u));
+      q.wb[u][mt][1] = __ldg(reinterpret_cast<const u32 *>(r.wb[mt] + 36 * u + 4));
+      q.sa[u][mt] = __ldg(r.sa[mt] + 36 * u); q.sb[u][mt] = __ldg(r.sb[mt] + 36 * u);
+    }
+}
+template <int MT>
+__device__ __forceinline__ void tc1_step(Tc1Rows<MT> &r, int bytes) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) { r.wa[mt] += bytes; r.wb[mt] += bytes; r.sa[mt] += bytes; r.sb[mt] += bytes; }
+}
+
+template <int MT, int U, int CONV, int POST>
+__device__ __forceinline__ void tc1_mma(float (&d)[MT][4], const Tc1Chunk<MT, U> &q, const uint4 *xb) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const uint4 q0 = xb[18 * u], q1 = xb[18 * u + 9];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      u32 A0[4], A1[4], B0[4], B1[4];
+      if constexpr (POST) {
+        tc1_raw<CONV>(q.wa[u][mt][0], A0); tc1_raw<CONV>(q.wa[u][mt][1], A1);
+        tc1_raw<CONV>(q.wb[u][mt][0], B0); tc1_raw<CONV>(q.wb[u][mt][1], B1);
+        float t[4];
+        mma16816z(t, A0[0], B0[0], A0[1], B0[1], q0.x, q0.y);
+        mma16816(t, A0[2], B0[2], A0[3], B0[3], q1.x, q1.y);
+        mma16816(t, A1[0], B1[0], A1[1], B1[1], q0.z, q0.w);
+        mma16816(t, A1[2], B1[2], A1[3], B1[3], q1.z, q1.w);
+        float sa, sb;
+        h2f2(e4m3x2_h2(q.sa[u][mt] | (q.sb[u][mt] << 8)), sa, sb);
+        d[mt][0] = fmaf(t[0] + t[1], sa, d[mt][0]);
+        d[mt][2] = fmaf(t[2] + t[3], sb, d[mt][2]);
+      } else {
+        const u32 s2a = tc1_scale<CONV>(q.sa[u][mt]), s2b = tc1_scale<CONV>(q.sb[u][mt]);
+        tc1_word<CONV>(q.wa[u][mt][0], s2a, A0); tc1_word<CONV>(q.wa[u][mt][1], s2a, A1);
+        tc1_word<CONV>(q.wb[u][mt][0], s2b, B0); tc1_word<CONV>(q.wb[u][mt][1], s2b, B1);
+        mma16816(d[mt], A0[0], B0[0], A0[1], B0[1], q0.x, q0.y);
+        mma16816(d[mt], A0[2], B0[2], A0[3], B0[3], q1.x, q1.y);
+        mma16816(d[mt], A1[0], B1[0], A1[1], B1[1], q0.z, q0.w);
+        mma16816(d[mt], A1[2], B1[2], A1[3], B1[3], q1.z, q1.w);
+      }
+    }
+  }
+}
+
+// the L2 fetches a tile's rows ahead of the loads (one bulk prefetch a row: the warp's 16 B-aligned range)
+__device__ __forceinline__ void prefetch_l2(const void *p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+template <int MT>
+__device__ __forceinline__ void tc1_prefetch(const u8 *Wt, int tile, int out, int rowbytes, int jb0, int nbw, int lane) {
+  if (lane < 16 * MT) {
+    const int row = tile * 16 * MT + lane;
+    if (row < out) prefetch_l2(Wt + (size_t)row * rowbytes + jb0 * 36, nbw * 36);
+  }
+}
+template <int MT>
+__device__ __forceinline__ void tc1_rows(Tc1Rows<MT> &r, const u8 *Wt, int tile, int out, int rowbytes, int jb0, int g, int c) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const u8 *a = Wt + (size_t)min(tile * 16 * MT + 16 * mt + g, out - 1) * rowbytes + jb0 * 36;
+    const u8 *b = Wt + (size_t)min(tile * 16 * MT + 16 * mt + g + 8, out - 1) * rowbytes + jb0 * 36;
+    r.wa[mt] = a + 4 + 8 * c; r.wb[mt] = b + 4 + 8 * c; r.sa[mt] = a + c; r.sb[mt] = b + c;
+  }
+}
+
+template <int MT, int KW, int U, int CONV, int POST, int PF>
+__global__ void __launch_bounds__(KW * 32) gemv_nvfp4_tc1(const u8 *__restrict__ Wt, const float *__restrict__ sc,
+    const float *__restrict__ x, float *__restrict__ y, int out, int in, int add) {
+  extern __shared__ uint4 xsh[];                     // per warp: [nbw blocks][18 x 16 bytes]
+  __shared__ float red[2][KW][16 * MT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int nblk = in >> 6, rowbytes = nblk * 36;
+  const int nbw = nblk / KW, nch = nbw / U, jb0 = warp * nbw;
+  const int ntiles = (out + 16 * MT - 1) / (16 * MT);
+  uint4 *xw = xsh + (size_t)warp * nbw * 18;
+  int tile = blockIdx.x;
+  Tc1Rows<MT> rows;
+  tc1_rows<MT>(rows, Wt, tile, out, rowbytes, jb0, g, c);
+  Tc1Chunk<MT, U> qa, qb;
+  if (PF) tc1_prefetch<MT>(Wt, tile, out, rowbytes, jb0, nbw, lane);
+  tc1_load<MT, U>(qa, rows);                         // the first weights in flight while x is converted
+
+  // this warp's x range: a power of two bringing its largest |x| into [2^14, 2^15), then hi / lo f16 parts
+  float m = 0.f;
+  const float4 *x4 = reinterpret_cast<const float4 *>(x + (size_t)jb0 * 64);
+  for (int i = lane; i < nbw * 16; i += 32) {
+    const float4 v = __ldg(x4 + i);
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;
+  const float xscale = __uint_as_float((u32)(127 + 14 - e) << 23), xinv = __uint_as_float((u32)(127 - 14 + e) << 23);
+  for (int i = lane; i < nbw * 16; i += 32) {
+    const float4 v = __ldg(x4 + i);
+    const int blk = i >> 4, cc = (i >> 2) & 3, wi = i & 3;   // elements 16 cc + 4 wi .. + 3 of block blk
+    const float a0 = v.x * xscale, a1 = v.y * xscale, a2 = v.z * xscale, a3 = v.w * xscale;
+    const u32 h0 = f2h2(a0, a1), h1 = f2h2(a2, a3);
+    float r0, r1, r2, r3;
+    h2f2(h0, r0, r1); h2f2(h1, r2, r3);
+    uint2 *q = reinterpret_cast<uint2 *>(xw + blk * 18 + (wi < 2 ? 0 : 9)) + (wi & 1);
+    q[2 * (POST ? 2 * cc : cc)] = make_uint2(h0, h1);                                               // column hi
+    q[2 * (POST ? 2 * cc + 1 : 4 + cc)] = make_uint2(f2h2(a0 - r0, a1 - r1), f2h2(a2 - r2, a3 - r3));   // column lo
+  }
+  for (int i = lane; i < 2 * nbw; i += 32) xw[(i >> 1) * 18 + 8 + 9 * (i & 1)] = make_uint4(0u, 0u, 0u, 0u);
+  __syncwarp();                                      // a warp reads only what its own lanes wrote
+  const bool data = POST ? (g >> 1) == c : g < 2;
+  const uint4 *xb = xw + (data ? (POST ? 2 * c + (g & 1) : 4 * g + c) : 8);
+  const float fin = __ldg(sc) * (POST ? (CONV == 0 ? 64.0f : 16384.0f) : (CONV == 0 ? 64.0f : 128.0f));
+
+  for (int it = 0; tile < ntiles; it++) {
+    float d[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) d[mt][0] = d[mt][1] = d[mt][2] = d[mt][3] = 0.f;
+    const int next = tile + gridDim.x;
+    if (PF && next < ntiles) tc1_prefetch<MT>(Wt, next, out, rowbytes, jb0, nbw, lane);
+    bool ahead = false;                              // qa holds the next tile's first chunk
+    for (int ch = 0; ch < nch; ch += 2) {
+      if (ch + 1 < nch) { tc1_step<MT>(rows, 36 * U); tc1_load<MT, U>(qb, rows); }
+      tc1_mma<MT, U, CONV, POST>(d, qa, xb + ch * U * 18);
+      if (ch + 1 >= nch) break;
+      if (ch + 2 < nch) { tc1_step<MT>(rows, 36 * U); tc1_load<MT, U>(qa, rows); }
+      else if (next < ntiles) { tc1_rows<MT>(rows, Wt, next, out, rowbytes, jb0, g, c); tc1_load<MT, U>(qa, rows); ahead = true; }
+      tc1_mma<MT, U, CONV, POST>(d, qb, xb + (ch + 1) * U * 18);
+    }
+    if (!ahead && next < ntiles) { tc1_rows<MT>(rows, Wt, next, out, rowbytes, jb0, g, c); tc1_load<MT, U>(qa, rows); }
+    const int p = it & 1;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      float va, vb;
+      if constexpr (POST) {                          // rows g, g + 8: the 4 sub-block lanes c added
+        va = d[mt][0]; vb = d[mt][2];
+        va += __shfl_xor_sync(0xffffffffu, va, 1); vb += __shfl_xor_sync(0xffffffffu, vb, 1);
+        va += __shfl_xor_sync(0xffffffffu, va, 2); vb += __shfl_xor_sync(0xffffffffu, vb, 2);
+      } else {                                       // columns 0 (hi) and 1 (lo)
+        va = d[mt][0] + d[mt][1]; vb = d[mt][2] + d[mt][3];
+      }
+      if (c == 0) { red[p][warp][16 * mt + g] = va * xinv; red[p][warp][16 * mt + g + 8] = vb * xinv; }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * MT) {
+      const int row = tile * 16 * MT + threadIdx.x;
+      if (row < out) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < KW; w++) v += red[p][w][threadIdx.x];
+        v *= fin;
+        y[row] = add ? y[row] + v : v;
+      }
+    }
+    tile = next;
+  }
+}
