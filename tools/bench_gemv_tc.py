@@ -2,7 +2,6 @@
 to 8 rows) against the tensor-core kernel (gemv_tc.cu, up to 16 rows a launch) on the GPU.
 
     python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants]
-    python -m bloomery.tools.bench_gemv_tc --one-row [--rounds 3]     # gemv_nvfp4_tc1 against the CUDA cores
 
 Every tensor-core variant is checked against float64 (16 rows, y poisoned) before it is timed.
 Timing as tools/bench_kernels.py: a CUDA graph of launches rotating over copies of the weight
@@ -58,91 +57,14 @@ class Tc:
     __call__ = lambda self, x, y, accumulate=False: self.launch(x, y, x.shape[0], accumulate)  # noqa: E731
 
 
-ONE_ROW = [G.Tc1Config(), G.Tc1Config(PF=0), G.Tc1Config(CONV=0), G.Tc1Config(KW=4), G.Tc1Config(U=2),
-           G.Tc1Config(waves=2), G.Tc1Config(waves=4), G.Tc1Config(waves=8), G.Tc1Config(KW=4, waves=4),
-           G.Tc1Config(U=2, waves=4), G.Tc1Config(MT=2, KW=4, waves=4), G.Tc1Config(PF=0, waves=4)]
-ONE_ROW_SHAPES = [(4096, 4096), (1024, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336),
-                  (128256, 4096)]
-
-
-class Tc1:
-    def __init__(self, lin, cfg):
-        self.lin, self.cfg, self.nbytes, self.out, self.inn = lin, cfg, lin.nbytes, lin.out, lin.inn
-
-    def launch(self, x, y, nb, accumulate=False):
-        self.lin.launch_tc1(x, y, accumulate, self.cfg)
-
-    __call__ = lambda self, x, y, accumulate=False: self.launch(x, y, 1, accumulate)  # noqa: E731
-
-
-def one_row(args, bw) -> int:
-    """gemv_nvfp4_tc1 (one row on the tensor cores) against the CUDA-core kernel: every variant checked
-    against float64, then timed in alternating rounds (median of the rounds)."""
-    res, failures = [], []
-    for out, inn in ONE_ROW_SHAPES:
-        a = make_arrays("nvfp4", out, inn)
-        lin = G.Linear("nvfp4", (out, inn), a)
-        W64 = ref_decode("nvfp4", a, out, inn)
-        cfgs = [c for c in ONE_ROW if G.tc1_fits(inn, c)]
-        for cfg in cfgs:
-            for acc in (False, True):
-                ok, rel, worst, fin = check_one(Tc1(lin, cfg), W64, 1, acc, tol=2e-5)
-                if not ok:
-                    failures.append(f"{out}x{inn} {cfg} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
-        del W64
-        bufs = copies(a, lin.nbytes)
-        lins = [G.Linear("nvfp4", (out, inn), b) for b in bufs]
-        x = cp.random.standard_normal((1, inn), dtype=cp.float32)
-        y = cp.zeros((1, out), cp.float32)
-        plins = [G.Linear("nvfp4", (out, inn), b, defines=("BLOOMERY_PF",)) for b in bufs]
-        times = {"cores": [], "cores_pf": []} | {repr(c): [] for c in cfgs}
-        for _ in range(args.rounds):
-            times["cores"].append(time_linears([Cores(L) for L in lins], x, y, 1)[0] * 1e6)
-            times["cores_pf"].append(time_linears([Cores(L) for L in plins], x, y, 1)[0] * 1e6)
-            for c in cfgs:
-                times[repr(c)].append(time_linears([Tc1(L, c) for L in lins], x, y, 1)[0] * 1e6)
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        rec = {"out": out, "in": inn, "bytes": lin.nbytes, "us": med, "rounds": times,
-               "rule": repr(G.tc1_config(out, inn))}
-        res.append(rec)
-        best = min((v, k) for k, v in med.items() if not k.startswith("cores"))
-        log(f"{out:6d}x{inn:<6d}: cores {med['cores']:8.2f} us  rule {med[rec['rule']]:8.2f}  best {best[0]:8.2f} {best[1]}")
-        del bufs, lins, plins
-        cp.get_default_memory_pool().free_all_blocks()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_gemv_tc1.json").write_text(json.dumps({"copy_bw": bw, "results": res,
-                                                                    "failures": failures}, indent=1))
-    log(f"\nchecks: {len(failures)} failures")
-    for f in failures:
-        log("  FAIL", f)
-    names = [repr(c) for c in ONE_ROW]
-    log(f"\n## GGML NVFP4, one row: us (% of copy {bw / 1e12:.2f} TB/s), median of {args.rounds} alternating rounds")
-    for r in res:
-        pc = lambda us: 100 * r["bytes"] / (us * 1e-6) / bw  # noqa: E731
-        cells = [f"{k} {r['us'][k]:.2f} ({pc(r['us'][k]):.0f}%)" for k in ("cores", "cores_pf")]
-        cells += [f"v{i} {r['us'][n]:.2f} ({pc(r['us'][n]):.0f}%)" for i, n in enumerate(names) if n in r["us"]]
-        log(f"{r['out']}x{r['in']}: " + "  ".join(cells))
-    for i, n in enumerate(names):
-        log(f"  v{i} = {n}")
-    byk = {(r["out"], r["in"]): r["us"] for r in res}
-    for k in ["cores", "cores_pf"] + names:
-        if all(k in byk[s] for s in STACK):
-            log(f"Llama-3-8B linears a step, {k}: {sum(n * byk[s][k] for s, n in STACK.items()) / 1e3:.3f} ms")
-    return 1 if failures else 0
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
-    ap.add_argument("--one-row", action="store_true", help="time gemv_nvfp4_tc1 (one row) against the CUDA cores")
-    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    if args.one_row:
-        return one_row(args, bw)
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
     res, failures = [], []

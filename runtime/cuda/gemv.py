@@ -294,43 +294,6 @@ def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
     return NT, (tiles, ks), bps, smem
 
 
-# -- one activation row on the tensor cores (gemv_tc.cu: gemv_nvfp4_tc1) ----------------------------
-@dataclass(frozen=True)
-class Tc1Config:
-    """gemv_nvfp4_tc1's shape: MT m-tiles (16 rows) a CTA, KW warps splitting a row's 64-blocks
-    (nblk % KW == 0), U blocks a chunk ((nblk / KW) % U == 0), CONV 0 (nibbles -> E4M3 -> f16 by cvt)
-    or 1 (shifts, masks and PRMT), POST 1: the sub-block scale applied to the mma sums in float32
-    (0: to A in f16), waves: CTAs a SM of a persistent grid (0: a CTA per row tile), PF 1: the rows
-    prefetched into the L2 a tile ahead."""
-    MT: int = 1
-    KW: int = 8
-    U: int = 4
-    CONV: int = 1
-    POST: int = 1
-    waves: int = 0
-    PF: int = 1
-
-    @property
-    def name(self) -> str:
-        return f"gemv_nvfp4_tc1<{self.MT}, {self.KW}, {self.U}, {self.CONV}, {self.POST}, {self.PF}>"
-
-
-def tc1_fits(inn: int, cfg: Tc1Config) -> bool:
-    nblk = inn // 64
-    return inn % 64 == 0 and nblk % cfg.KW == 0 and (nblk // cfg.KW) % cfg.U == 0
-
-
-def tc1_config(out: int, inn: int) -> Tc1Config | None:
-    """The 1-row tensor-core shape for (out, in), or None where no shape fits (the CUDA-core kernel)."""
-    nblk = inn // 64 if inn % 64 == 0 else 0
-    for KW in (8, 4, 16, 2, 1):
-        if nblk and nblk % KW == 0:
-            nbw = nblk // KW
-            U = next(u for u in (4, 2, 3, 1) if nbw % u == 0)
-            return Tc1Config(KW=KW, U=U)
-    return None
-
-
 class Linear:
     """One weight matrix in its artifact layout on the device, with its kernel chosen.
     mma=True: GGML NVFP4 at batch 1 on the tensor cores (gemv_nvfp4_mma). Off by default: exact,
@@ -463,30 +426,6 @@ class Linear:
         i32 = cp.int32
         self.tc_kernel(nb, cfg)(grid, (32 * cfg.W,), (self.w, self.sc, x, y, part, sem, i32(self.out), i32(self.inn),
                                                       i32(nb), i32(int(accumulate)), i32(bps)), shared_mem=smem)
-
-    def tc1_kernel(self, cfg: Tc1Config):
-        key = ("tc1", cfg)
-        if key not in self._kern:
-            k = cu.kernel("gemv_tc", cfg.name)
-            smem = cfg.KW * (self.inn // 64 // cfg.KW) * 288
-            if smem > 48 * 1024:
-                k.max_dynamic_shared_size_bytes = smem
-            grid = -(-self.out // (16 * cfg.MT))
-            if cfg.waves:
-                sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-                grid = min(grid, cfg.waves * sms)
-            self._kern[key] = (k, smem, grid)
-        return self._kern[key]
-
-    def launch_tc1(self, x, y, accumulate: bool = False, cfg: Tc1Config | None = None):
-        """y[0] = W x[0] (+ y) for one activation row on the tensor cores (GGML NVFP4; no scratch)."""
-        cfg = cfg or tc1_config(self.out, self.inn)
-        if self.kind not in TC_KINDS or self.experts or cfg is None or not tc1_fits(self.inn, cfg):
-            raise NotImplementedError(f"gemv_tc1: {self.kind} [{self.out}, {self.inn}] {cfg}")
-        k, smem, grid = self.tc1_kernel(cfg)
-        i32 = cp.int32
-        k((grid,), (32 * cfg.KW,), (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(int(accumulate))),
-          shared_mem=smem)
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1

@@ -264,12 +264,6 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
   const int koff = 16 * (t >> 1) + 4 * (t & 1);
-#ifdef BLOOMERY_PF
-  // the L2 fetches the CTA's R rows ahead of the loads (bulk prefetch: 16 B-aligned rows, nblk % 4 == 0)
-  if (threadIdx.x < R && (rowbytes & 15) == 0 && row0 + (int)threadIdx.x < out)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(W + (size_t)(row0 + threadIdx.x) * rowbytes),
-                 "r"(rowbytes) : "memory");
-#endif
 
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];
