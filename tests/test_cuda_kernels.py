@@ -96,6 +96,41 @@ def test_gemv_one_launch_rows_equal_one_row_launches(fmt, shape):
             assert cp.array_equal(y[b], y1[0]), f"{fmt} {shape}: row {b} of {nb} differs from its 1-row launch"
 
 
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
+def test_gemv_group_members_equal_their_own_launches(fmt):
+    """gemv.Group (q, k and v in one launch): each member's rows bit-equal to a launch of that member alone
+    with the group's config (the largest member's: here not the small members' own), within float64's
+    bound; the one=True form (verify) row by row bit-equal to 1-row group launches."""
+    rng = np.random.default_rng(zlib.crc32(repr(("group", fmt)).encode()))
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    shapes = [(4096, 256), (40, 256), (136, 256)]
+    mats = [artifact(f, s, rng, stored_nvfp4=fmt == "nvfp4_stored") for s in shapes]
+    lins = [G.Linear(f, s, {k: cp.asarray(v) for k, v in a.items()}) for s, (_, a) in zip(shapes, mats)]
+    assert G.Group(lins).config(1) != G.default_config(lins[1].kind, 40, 256, 1), "the test wants differing configs"
+    for n in (2, 3):
+        grp = G.Group(lins[:n])
+        for nb, one in ((1, False), (3, False), (8, False), (5, True)):
+            x = cp.asarray(rng.standard_normal((nb, 256)).astype(np.float32))
+            ys = [cp.full((nb, L.out), cp.nan, dtype=cp.float32) for L in lins[:n]]
+            grp.bind(x, ys, nb, one)()
+            c = grp.config(nb, one)
+            for L, (W, _), y in zip(lins[:n], mats, ys):
+                own = G.Linear(f, (L.out, 256), L.arrays, config=c)
+                y1 = cp.full((nb, L.out), cp.nan, dtype=cp.float32)
+                own.launch(x, y1, nb, one=one)
+                assert cp.array_equal(y, y1), f"{fmt} member {L.out}x256, {nb} rows (one={one}): not its own launch"
+                ref = cp.asnumpy(x).astype(np.float64) @ W.T
+                bound = np.abs(cp.asnumpy(x).astype(np.float64)) @ np.abs(W).T
+                assert (np.abs(cp.asnumpy(y) - ref) <= 1e-5 * bound + 1e-30).all()
+            if one:
+                for b in range(nb):
+                    y1 = [cp.full((1, L.out), cp.nan, dtype=cp.float32) for L in lins[:n]]
+                    grp.bind(x[b:b + 1], y1, 1)()
+                    assert all(cp.array_equal(y[b], z[0]) for y, z in zip(ys, y1)), f"{fmt}: verify row {b} != 1-row"
+    with pytest.raises(ValueError):
+        G.Group(lins[:1])
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0] + [(16, 14336)])
 def test_gemv_nvfp4_tensor_cores(shape):
     """gemv_nvfp4_mma (batch 1; larger batches fall back to the CUDA-core kernel): x split into f16

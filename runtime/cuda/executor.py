@@ -388,6 +388,7 @@ class CudaExecutor:
         """The environment's kernel choices (specs/levers.yaml) and the device's multiprocessor count."""
         self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
         self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
+        self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -415,6 +416,9 @@ class CudaExecutor:
                     and op["out"] in (nxt["a"], nxt["b"]) and nxt["out"] != op["out"] and nxt["out"] != op["x"]):
                 new = fn(op, bufs, rows, prog, acc=nxt["out"])
                 tag, i = op["op"] + "+add", i + 2
+            elif op["op"] == "linear" and (n := self._group_size(ops, i, rows, prog)) > 1:
+                new = self._op_linear_group(ops[i:i + n], bufs, rows, prog)
+                tag, i = "linear", i + n
             elif op["op"] == "rope" and self._fusable_rope(ops, i):
                 new = self._rope_qk_kv(op, nxt, ops[i + 2], bufs, rows) + \
                     self._op_attention(ops[i + 2], bufs, rows, prog, write=False)
@@ -459,6 +463,50 @@ class CudaExecutor:
             self.steps[(prog, r)] = steps
         last = (prog, self.counts[prog][-1])
         self.steps[prog], self.tags[prog] = self.steps[last], self.tags[last]
+
+    def _cores_one_launch(self, prog: str, lin: G.Linear, rows: int) -> bool:
+        """Whether _gemv runs this linear as one CUDA-core GEMV launch (what a Group replaces)."""
+        if rows > GEMV_ROWS or lin.experts or lin.mma or lin.kind not in G.GROUP_KINDS or lin.config:
+            return False
+        if prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS:
+            return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
+        return True
+
+    def _group_size(self, ops, i, rows: int, prog: str) -> int:
+        """How many linears from ops[i] read the same input and launch as one Group (1: none). Members:
+        consecutive linears of one x, kernel family and width, without an activation pre-scale, writing
+        distinct buffers other than x; the last stops short of a linear whose output feeds the next op's
+        residual add (that one accumulates into the residual instead)."""
+        if self.group_mode == "off":
+            return 1
+        first = ops[i]
+        lead = self.w.linear(first["weight"])
+        n, outs = 0, set()
+        while i + n < len(ops) and n < G.GROUP_MAX:
+            op = ops[i + n]
+            if op["op"] != "linear" or op["x"] != first["x"] or op["out"] in outs or op["out"] == first["x"]:
+                break
+            lin = self.w.linear(op["weight"])
+            if (self.w.pre_quant(op["weight"]) is not None or (lin.kind, lin.inn) != (lead.kind, lead.inn)
+                    or not self._cores_one_launch(prog, lin, rows)):
+                break
+            nxt = ops[i + n + 1] if i + n + 1 < len(ops) else None
+            if nxt is not None and nxt["op"] == "add" and op["out"] in (nxt["a"], nxt["b"]):
+                break
+            outs.add(op["out"])
+            n += 1
+        return n
+
+    def _op_linear_group(self, ops, bufs, rows: int, prog: str) -> list:
+        lins = [self.w.linear(op["weight"]) for op in ops]
+        grp = G.Group(lins)
+        one = prog == "verify"
+        self._need.append((grp, rows, one))
+        for lin in lins:
+            self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
+            if prog == "decode":
+                self.decode_bytes += lin.nbytes
+        return [grp.bind(bufs[ops[0]["x"]][:rows], [bufs[op["out"]][:rows] for op in ops], rows, one)]
 
     @staticmethod
     def _fusable_rope(ops, i) -> bool:

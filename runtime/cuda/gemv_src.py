@@ -153,13 +153,14 @@ __device__ __forceinline__ void dequant_word(u32 w, float *v) {
 
 template <int FMT, int R, int BMAX, int U, int WPC>
 __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
-                           const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add) {
+                           const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add,
+                           int bx) {
   constexpr int EPW = EPWof<FMT>::v;
   constexpr bool BLOCKED = FMT == FMT_FP8B128 || FMT == FMT_MXFP8 || FMT == FMT_NVFP4S;
   constexpr int SPW = FMT == FMT_NVFP4S ? 2 : FMT == FMT_MXFP8 ? 8 : 32;     // words per block scale
   constexpr int NS = BLOCKED ? (WPC + SPW - 1) / SPW : 1;                     // block scales per chunk
   const int wpr = in / EPW, nch = wpr / WPC;
-  const int row0 = blockIdx.x * R;
+  const int row0 = bx * R;
   float acc[R][BMAX];
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
@@ -256,10 +257,10 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
 // (bytes 4+4t, sub-block t/2, elements 4(t&1)..+3 and +8) and scale byte t/2. ----
 template <int R, int BMAX, int U>
 __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
-                                float *__restrict__ y, int out, int in, int nb, int add) {
+                                float *__restrict__ y, int out, int in, int nb, int add, int bx) {
   const int nblk = in / 64, rowbytes = nblk * 36;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
-  const int row0 = blockIdx.x * R;
+  const int row0 = bx * R;
   float acc[R][BMAX];
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
@@ -421,10 +422,10 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restric
 // thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
 template <int R, int BMAX, int U>
 __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
-                          int out, int in, int nb, int add) {
+                          int out, int in, int nb, int add, int bx) {
   const int nblk = in / 32, rowbytes = nblk * 34;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
-  const int row0 = blockIdx.x * R;
+  const int row0 = bx * R;
   float acc[R][BMAX];
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
@@ -531,7 +532,7 @@ __device__ __forceinline__ int expert_of(const int *eid, int ne) {
 template <int FMT, int R, int BMAX, int U, int WPC>
 __global__ void gemv_plain(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
                            const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add) {
-  gemv_plain_body<FMT, R, BMAX, U, WPC>(W, S, sc, x, y, out, in, nb, add);
+  gemv_plain_body<FMT, R, BMAX, U, WPC>(W, S, sc, x, y, out, in, nb, add, blockIdx.x);
 }
 template <int FMT, int R, int U, int WPC>
 __global__ void gemv_plain_e(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
@@ -539,30 +540,66 @@ __global__ void gemv_plain_e(const u32 *__restrict__ W, const void *__restrict__
                              const int *__restrict__ eid, int ne, int xdiv, long long wst, long long sst, long long scst) {
   const int e = expert_of(eid, ne), p = blockIdx.y;
   gemv_plain_body<FMT, R, 1, U, WPC>(W + e * wst, (const u8 *)S + e * sst, sc + e * scst, x + (size_t)(p / xdiv) * in,
-                                      y + (size_t)p * out, out, in, 1, add);
+                                      y + (size_t)p * out, out, in, 1, add, blockIdx.x);
 }
 template <int R, int BMAX, int U>
 __global__ void gemv_nvfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
                                 float *__restrict__ y, int out, int in, int nb, int add) {
-  gemv_nvfp4_ggml_body<R, BMAX, U>(W, sc, x, y, out, in, nb, add);
+  gemv_nvfp4_ggml_body<R, BMAX, U>(W, sc, x, y, out, in, nb, add, blockIdx.x);
 }
 template <int R, int U>
 __global__ void gemv_nvfp4_ggml_e(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
                                   float *__restrict__ y, int out, int in, int add,
                                   const int *__restrict__ eid, int ne, int xdiv, long long wst, long long scst) {
   const int e = expert_of(eid, ne), p = blockIdx.y;
-  gemv_nvfp4_ggml_body<R, 1, U>(W + e * wst, sc + e * scst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add);
+  gemv_nvfp4_ggml_body<R, 1, U>(W + e * wst, sc + e * scst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add, blockIdx.x);
 }
 template <int R, int BMAX, int U>
 __global__ void gemv_q8_0(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
                           int out, int in, int nb, int add) {
-  gemv_q8_0_body<R, BMAX, U>(W, x, y, out, in, nb, add);
+  gemv_q8_0_body<R, BMAX, U>(W, x, y, out, in, nb, add, blockIdx.x);
 }
 template <int R, int U>
 __global__ void gemv_q8_0_e(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
                             int out, int in, int add, const int *__restrict__ eid, int ne, int xdiv, long long wst) {
   const int e = expert_of(eid, ne), p = blockIdx.y;
-  gemv_q8_0_body<R, 1, U>(W + e * wst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add);
+  gemv_q8_0_body<R, 1, U>(W + e * wst, x + (size_t)(p / xdiv) * in, y + (size_t)p * out, out, in, 1, add, blockIdx.x);
+}
+// ---- grouped: up to 3 matrices that read the same x in one launch (q, k and v; gate and up). CTA
+// blockIdx.x < c1 computes matrix 0's row block blockIdx.x, < c2 matrix 1's (blockIdx.x - c1), else
+// matrix 2's; each member is computed exactly as a launch of it alone with the same config. An unused
+// slot has its c at the grid's end. ----
+__device__ __forceinline__ int group_member(int c1, int c2) { return blockIdx.x >= c2 ? 2 : blockIdx.x >= c1 ? 1 : 0; }
+
+template <int FMT, int R, int BMAX, int U, int WPC>
+__global__ void gemv_plain_g(const u32 *__restrict__ W0, const u32 *__restrict__ W1, const u32 *__restrict__ W2,
+                             const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
+                             float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
+                             const float *__restrict__ x, int in, int nb, int add) {
+  const int m = group_member(c1, c2);
+  if (m == 0) gemv_plain_body<FMT, R, BMAX, U, WPC>(W0, S0, sc0, x, y0, out0, in, nb, add, blockIdx.x);
+  else if (m == 1) gemv_plain_body<FMT, R, BMAX, U, WPC>(W1, S1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1);
+  else gemv_plain_body<FMT, R, BMAX, U, WPC>(W2, S2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2);
+}
+template <int R, int BMAX, int U>
+__global__ void gemv_nvfp4_ggml_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2,
+                                  const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
+                                  float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
+                                  const float *__restrict__ x, int in, int nb, int add) {
+  const int m = group_member(c1, c2);
+  if (m == 0) gemv_nvfp4_ggml_body<R, BMAX, U>(W0, sc0, x, y0, out0, in, nb, add, blockIdx.x);
+  else if (m == 1) gemv_nvfp4_ggml_body<R, BMAX, U>(W1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1);
+  else gemv_nvfp4_ggml_body<R, BMAX, U>(W2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2);
+}
+template <int R, int BMAX, int U>
+__global__ void gemv_q8_0_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2,
+                            const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
+                            float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
+                            const float *__restrict__ x, int in, int nb, int add) {
+  const int m = group_member(c1, c2);
+  if (m == 0) gemv_q8_0_body<R, BMAX, U>(W0, x, y0, out0, in, nb, add, blockIdx.x);
+  else if (m == 1) gemv_q8_0_body<R, BMAX, U>(W1, x, y1, out1, in, nb, add, blockIdx.x - c1);
+  else gemv_q8_0_body<R, BMAX, U>(W2, x, y2, out2, in, nb, add, blockIdx.x - c2);
 }
 template <int BMAX>
 __global__ void gemv_mxfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
