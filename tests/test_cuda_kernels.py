@@ -131,6 +131,50 @@ def test_gemv_group_members_equal_their_own_launches(fmt):
         G.Group(lins[:1])
 
 
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
+def test_gemv_group_folds_rmsnorm(fmt):
+    """gemv.Group(norm=True): W_m rmsnorm(x) in one launch, against float64 of the norm then the matrix
+    (1e-5 of the bound) and against the unfused launches (the norm's kernel, then the group: within
+    float32 rounding); one=True rows bit-equal to 1-row launches; one member allowed."""
+    from bloomery.runtime.cuda import ops as K
+    rng = np.random.default_rng(zlib.crc32(repr(("norm", fmt)).encode()))
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    inn, eps = 320 if f not in ("nvfp4",) else 256, 1e-5
+    shapes = [(1000, inn), (72, inn), (200, inn)]
+    mats = [artifact(f, s, rng, stored_nvfp4=fmt == "nvfp4_stored") for s in shapes]
+    lins = [G.Linear(f, s, {k: cp.asarray(v) for k, v in a.items()}) for s, (_, a) in zip(shapes, mats)]
+    w = (1 + 0.3 * rng.standard_normal(inn)).astype(np.float32)
+    for n in (1, 3):
+        grp = G.Group(lins[:n], norm=True)
+        for nb, one in ((1, False), (4, False), (3, True)):
+            x = (rng.standard_normal((nb, inn)) * rng.uniform(0.1, 20, (nb, 1))).astype(np.float32)
+            ys = [cp.full((nb, L.out), cp.nan, dtype=cp.float32) for L in lins[:n]]
+            grp.bind(cp.asarray(x), ys, nb, one, norm_weight=cp.asarray(w), eps=eps)()
+            x64 = x.astype(np.float64)
+            xn = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * w
+            xs = cp.empty((nb, inn), cp.float32)                      # the unfused path: rmsnorm_k, then the group
+            K.kernels()["rmsnorm_k"]((nb,), (128,), (cp.asarray(x), xs, cp.asarray(w), np.int32(inn), np.float32(eps),
+                                                  np.int32(1)))
+            plain = [cp.full((nb, L.out), cp.nan, dtype=cp.float32) for L in lins[:n]]
+            if n > 1:
+                G.Group(lins[:n]).bind(xs, plain, nb, one)()
+            else:
+                own = G.Linear(f, (lins[0].out, inn), lins[0].arrays, config=grp.config(nb, one))
+                own.launch(xs, plain[0], nb, one=one)
+            for (W, _), y, z in zip(mats, ys, plain):
+                got = cp.asnumpy(y).astype(np.float64)
+                bound = np.abs(xn) @ np.abs(W).T
+                assert (np.abs(got - xn @ W.T) <= 1e-5 * bound + 1e-30).all(), f"{fmt} {nb} rows: not W rmsnorm(x)"
+                assert np.abs(got - cp.asnumpy(z)).max() <= 2e-6 * bound.max(), f"{fmt}: not the unfused launches"
+            if one:
+                for b in range(nb):
+                    y1 = [cp.full((1, L.out), cp.nan, dtype=cp.float32) for L in lins[:n]]
+                    grp.bind(cp.asarray(x[b:b + 1]), y1, 1, norm_weight=cp.asarray(w), eps=eps)()
+                    assert all(cp.array_equal(y[b], z[0]) for y, z in zip(ys, y1)), f"{fmt}: verify row {b} != 1-row"
+    with pytest.raises(ValueError):
+        G.Group(lins[:2], norm=True).bind(cp.zeros((1, inn), cp.float32), [cp.zeros((1, 1000), cp.float32)] * 2, 1)
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0] + [(16, 14336)])
 def test_gemv_nvfp4_tensor_cores(shape):
     """gemv_nvfp4_mma (batch 1; larger batches fall back to the CUDA-core kernel): x split into f16

@@ -389,6 +389,7 @@ class CudaExecutor:
         self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
         self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
         self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
+        self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -416,7 +417,10 @@ class CudaExecutor:
                     and op["out"] in (nxt["a"], nxt["b"]) and nxt["out"] != op["out"] and nxt["out"] != op["x"]):
                 new = fn(op, bufs, rows, prog, acc=nxt["out"])
                 tag, i = op["op"] + "+add", i + 2
-            elif op["op"] == "linear" and (n := self._group_size(ops, i, rows, prog)) > 1:
+            elif op["op"] == "rmsnorm" and (n := self._norm_fold(ops, i, bufs, rows, prog)):
+                new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog)
+                tag, i = "rmsnorm+linear", i + 1 + n
+            elif op["op"] == "linear" and self.group_mode != "off" and (n := self._group_size(ops, i, rows, prog)) > 1:
                 new = self._op_linear_group(ops[i:i + n], bufs, rows, prog)
                 tag, i = "linear", i + n
             elif op["op"] == "rope" and self._fusable_rope(ops, i):
@@ -472,41 +476,64 @@ class CudaExecutor:
             return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
         return True
 
+    def _member(self, ops, j: int, first, rows: int, prog: str, outs) -> bool:
+        """Whether linear ops[j] can join a Group led by linear `first`: the same x, kernel family and
+        width, no activation pre-scale, one CUDA-core launch, an output of its own other than x, and
+        not feeding the next op's residual add (that linear accumulates into the residual instead)."""
+        op = ops[j]
+        if op["op"] != "linear" or op["x"] != first["x"] or op["out"] in outs or op["out"] == first["x"]:
+            return False
+        lin, lead = self.w.linear(op["weight"]), self.w.linear(first["weight"])
+        if (self.w.pre_quant(op["weight"]) is not None or (lin.kind, lin.inn) != (lead.kind, lead.inn)
+                or not self._cores_one_launch(prog, lin, rows)):
+            return False
+        nxt = ops[j + 1] if j + 1 < len(ops) else None
+        return not (nxt is not None and nxt["op"] == "add" and op["out"] in (nxt["a"], nxt["b"]))
+
     def _group_size(self, ops, i, rows: int, prog: str) -> int:
-        """How many linears from ops[i] read the same input and launch as one Group (1: none). Members:
-        consecutive linears of one x, kernel family and width, without an activation pre-scale, writing
-        distinct buffers other than x; the last stops short of a linear whose output feeds the next op's
-        residual add (that one accumulates into the residual instead)."""
-        if self.group_mode == "off":
-            return 1
-        first = ops[i]
-        lead = self.w.linear(first["weight"])
+        """How many consecutive linears from ops[i] launch as one Group (_member; 0: not even ops[i])."""
         n, outs = 0, set()
-        while i + n < len(ops) and n < G.GROUP_MAX:
-            op = ops[i + n]
-            if op["op"] != "linear" or op["x"] != first["x"] or op["out"] in outs or op["out"] == first["x"]:
-                break
-            lin = self.w.linear(op["weight"])
-            if (self.w.pre_quant(op["weight"]) is not None or (lin.kind, lin.inn) != (lead.kind, lead.inn)
-                    or not self._cores_one_launch(prog, lin, rows)):
-                break
-            nxt = ops[i + n + 1] if i + n + 1 < len(ops) else None
-            if nxt is not None and nxt["op"] == "add" and op["out"] in (nxt["a"], nxt["b"]):
-                break
-            outs.add(op["out"])
+        while i + n < len(ops) and n < G.GROUP_MAX and self._member(ops, i + n, ops[i], rows, prog, outs):
+            outs.add(ops[i + n]["out"])
             n += 1
         return n
 
-    def _op_linear_group(self, ops, bufs, rows: int, prog: str) -> list:
+    def _norm_fold(self, ops, i, bufs, rows: int, prog: str) -> int:
+        """How many linears after the rmsnorm ops[i] take it into their launch (0: none): a whole-row norm
+        (BLOOMERY_FOLD_NORM on) whose output only those linears read, the linears a Group (_group_size; one
+        linear alone when BLOOMERY_GROUP_LINEARS is off)."""
+        op = ops[i]
+        if self.fold_norm == "off" or i + 1 >= len(ops) or ops[i + 1]["op"] != "linear" or ops[i + 1]["x"] != op["out"]:
+            return 0
+        width = bufs[op["x"]].shape[-1]
+        if (int(op["group"]) != width or op["out"] == op["x"]
+                or self.w.vector(op["weight"], float(op.get("offset") or 0.0)).size != width):
+            return 0
+        if self.group_mode == "off":
+            n = int(self._member(ops, i + 1, ops[i + 1], rows, prog, set()))
+        else:
+            n = self._group_size(ops, i + 1, rows, prog)
+        if any(o["out"] == op["x"] for o in ops[i + 1:i + 1 + n]):     # the launch reads x while writing
+            return 0
+        return n if n and _dead_after(ops, i + 1 + n, op["out"]) else 0
+
+    def _op_norm_linears(self, nop, ops, bufs, rows: int, prog: str) -> list:
+        """An rmsnorm and the linears that read its output, as one launch (gemv.Group with norm=True)."""
+        w = self.w.vector(nop["weight"], float(nop.get("offset") or 0.0))
+        return self._op_linear_group(ops, bufs, rows, prog, norm=(w, float(nop["eps"])), x_buf=nop["x"])
+
+    def _op_linear_group(self, ops, bufs, rows: int, prog: str, norm=None, x_buf: str | None = None) -> list:
         lins = [self.w.linear(op["weight"]) for op in ops]
-        grp = G.Group(lins)
+        grp = G.Group(lins, norm=norm is not None)
         one = prog == "verify"
         self._need.append((grp, rows, one))
         for lin in lins:
             self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
             if prog == "decode":
                 self.decode_bytes += lin.nbytes
-        return [grp.bind(bufs[ops[0]["x"]][:rows], [bufs[op["out"]][:rows] for op in ops], rows, one)]
+        nw, eps = norm if norm is not None else (None, 0.0)
+        return [grp.bind(bufs[x_buf or ops[0]["x"]][:rows], [bufs[op["out"]][:rows] for op in ops], rows, one,
+                         norm_weight=nw, eps=eps)]
 
     @staticmethod
     def _fusable_rope(ops, i) -> bool:

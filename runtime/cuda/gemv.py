@@ -19,6 +19,8 @@ allocation when `y` is given, so a sequence of calls can be captured into a CUDA
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -474,29 +476,32 @@ GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)
 GROUP_MAX = 3
 
 
-def group_name(kind: str, R: int, B: int, U: int, WPC: int = 4) -> str:
-    """The grouped kernel's name expression (up to GROUP_MAX matrices reading one x in one launch)."""
+def group_name(kind: str, R: int, B: int, U: int, WPC: int = 4, norm: bool = False) -> str:
+    """The grouped kernel's name expression (up to GROUP_MAX matrices reading one x in one launch;
+    norm: with an RMSNorm of x folded in)."""
+    n = int(norm)
     if kind == "nvfp4_ggml":
-        return f"gemv_nvfp4_ggml_g<{R}, {B}, {U}>"
+        return f"gemv_nvfp4_ggml_g<{R}, {B}, {U}, {n}>"
     if kind == "q8_0":
-        return f"gemv_q8_0_g<{R}, {B}, {U}>"
-    return f"gemv_plain_g<{FMT_ID[kind]}, {R}, {B}, {U}, {WPC}>"
+        return f"gemv_q8_0_g<{R}, {B}, {U}, {n}>"
+    return f"gemv_plain_g<{FMT_ID[kind]}, {R}, {B}, {U}, {WPC}, {n}>"
 
 
 class Group:
     """Linears that read the same x (q, k and v; gate and up) in one launch of the CUDA-core kernel: one
-    kernel launch instead of one a matrix. Every member runs with the config its first (largest) member
-    would use alone, so a member's rows are computed exactly as a launch of that member alone with that
-    config computes them (tests/test_cuda_kernels.py)."""
+    kernel launch instead of one a matrix. Every member runs with the config its largest member would
+    use alone, so a member's rows are computed exactly as a launch of that member alone with that
+    config computes them (tests/test_cuda_kernels.py). With `norm`, the launch also folds in the
+    RMSNorm whose output the members read: ys = W_m rmsnorm(x) (one member allowed)."""
 
-    def __init__(self, lins):
+    def __init__(self, lins, norm: bool = False):
         lins = list(lins)
         kinds = {(L.kind, L.inn) for L in lins}
-        if not 2 <= len(lins) <= GROUP_MAX or len(kinds) != 1 or lins[0].kind not in GROUP_KINDS \
+        if not (1 if norm else 2) <= len(lins) <= GROUP_MAX or len(kinds) != 1 or lins[0].kind not in GROUP_KINDS \
                 or any(L.experts or L.mma or L.config for L in lins):
             raise ValueError(f"gemv.Group: 2..{GROUP_MAX} linears of one kernel family and width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
-        self.lins = lins
+        self.lins, self.norm = lins, bool(norm)
         self.kind, self.inn = lins[0].kind, lins[0].inn
         self.lead = max(lins, key=lambda L: L.out)
         self.nbytes = sum(L.nbytes for L in lins)
@@ -506,13 +511,17 @@ class Group:
 
     def kernel_name(self, nb: int, one: bool = False) -> str:
         c = self.config(nb, one)
-        return group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC)
+        return group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC, self.norm)
 
-    def bind(self, x, ys, nb: int, one: bool = False):
+    def bind(self, x, ys, nb: int, one: bool = False, norm_weight=None, eps: float = 0.0):
         """A launch of ys[m][:nb] = W_m x[:nb] for every member m, its arguments fixed now: the returned
-        callable does no checks and no allocation (graph capture). one: each row as a 1-row launch."""
+        callable does no checks and no allocation (graph capture). one: each row as a 1-row launch.
+        A norm group: ys[m] = W_m (x / sqrt(mean(x^2) + eps) * norm_weight), norm_weight float32 [in]."""
+        if self.norm != (norm_weight is not None) or (self.norm and int(norm_weight.size) != self.inn):
+            raise ValueError(f"gemv.Group: norm {self.norm}, a norm weight of {getattr(norm_weight, 'size', None)} "
+                             f"values for rows of {self.inn}")
         c = self.config(nb, one)
-        name = group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC)
+        name = group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC, self.norm)
         ctas = [math.ceil(L.out / c.R) for L in self.lins]
         cuts = [sum(ctas[:i + 1]) if i + 1 < len(ctas) else sum(ctas) for i in range(GROUP_MAX - 1)]
         pad = lambda v, fill: list(v) + [fill] * (GROUP_MAX - len(v))  # noqa: E731
@@ -521,7 +530,8 @@ class Group:
                 *pad([L.s if L.s is not None else L.w for L in self.lins], self.lins[0].w),
                 *pad([L.sc if L.sc is not None else x for L in self.lins], x),
                 *pad(ys, ys[0]), *pad([i32(L.out) for L in self.lins], i32(0)),
-                i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0))
+                i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0),
+                norm_weight if self.norm else x, np.float32(eps))
         grid, block, defines, kern = (sum(ctas),), (c.T,), self.lins[0].defines, []
 
         def run():                       # compiled at the first run (the executor precompiles its names first)
@@ -530,10 +540,10 @@ class Group:
             kern[0](grid, block, args)
         return run
 
-    def __call__(self, x):
+    def __call__(self, x, norm_weight=None, eps: float = 0.0):
         """ys = [W_m x] (x: float32 [nb, in], nb <= 8); allocates (not for graph capture)."""
         ys = [cp.empty((x.shape[0], L.out), cp.float32) for L in self.lins]
-        self.bind(x, ys, x.shape[0])()
+        self.bind(x, ys, x.shape[0], norm_weight=norm_weight, eps=eps)()
         return ys
 
 

@@ -88,10 +88,15 @@ __device__ __forceinline__ void start_rows(float (&acc)[R][BMAX], int (&rowc)[R]
   for (int r = 0; r < R; r++) rowc[r] = min(row0 + r, out - 1);
 }
 
-template <int R, int BMAX>
+// NORM 1 (an RMSNorm folded into the linear): the CTA's threads have also summed x^2 of each batch row
+// (every x value is loaded once a CTA) and multiplied x by the norm weight; the row's 1/sqrt(mean(x^2) +
+// eps) then scales the outputs (y = inv W (x * w): the norm's arithmetic up to float32 rounding).
+template <int R, int BMAX, int NORM = 0>
 __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__restrict__ y, const float *rs,
-                                             int row0, int out, int nb, int add) {
+                                             int row0, int out, int nb, int add, const float *sq = nullptr,
+                                             int in = 1, float eps = 0.f) {
   __shared__ float red[8][R * BMAX];
+  __shared__ float redq[NORM ? 8 : 1][NORM ? BMAX : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
   for (int r = 0; r < R; r++)
@@ -102,6 +107,15 @@ __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__res
       for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
       if (lane == 0) red[warp][r * BMAX + b] = v;
     }
+  if constexpr (NORM) {
+#pragma unroll
+    for (int b = 0; b < BMAX; b++) {
+      float v = sq[b];
+#pragma unroll
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) redq[warp][b] = v;
+    }
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < R * BMAX; i += blockDim.x) {
     const int r = i / BMAX, b = i % BMAX, row = row0 + r;
@@ -109,6 +123,11 @@ __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__res
       float v = 0.f;
       for (int w = 0; w < nw; w++) v += red[w][i];
       v *= rs[r];
+      if constexpr (NORM) {
+        float ss = 0.f;
+        for (int w = 0; w < nw; w++) ss += redq[w][b];
+        v *= 1.0f / sqrtf(ss / (float)in + eps);
+      }
       float *p = y + (size_t)b * out + row;
       *p = add ? *p + v : v;
     }
@@ -151,10 +170,10 @@ __device__ __forceinline__ void dequant_word(u32 w, float *v) {
   else { e4m3x4(w, v); }
 }
 
-template <int FMT, int R, int BMAX, int U, int WPC>
+template <int FMT, int R, int BMAX, int U, int WPC, int NORM = 0>
 __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
                            const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add,
-                           int bx) {
+                           int bx, const float *__restrict__ nw = nullptr, float eps = 0.f) {
   constexpr int EPW = EPWof<FMT>::v;
   constexpr bool BLOCKED = FMT == FMT_FP8B128 || FMT == FMT_MXFP8 || FMT == FMT_NVFP4S;
   constexpr int SPW = FMT == FMT_NVFP4S ? 2 : FMT == FMT_MXFP8 ? 8 : 32;     // words per block scale
@@ -164,6 +183,9 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
   float acc[R][BMAX];
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
+  float sq[BMAX];
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
   for (int c0 = threadIdx.x; c0 < nch; c0 += U * blockDim.x) {
     u32 wv[U][R][WPC];
@@ -217,6 +239,14 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
         const int k = (c * WPC + i) * EPW;
         float xw[BMAX][EPW];
         load_xw<FMT, BMAX>(x, k, in, nb, xw);      // once per word, reused by the R rows
+        if constexpr (NORM) {
+          float nv[1][EPW];
+          load_xw<FMT, 1>(nw, k, in, 1, nv);       // the norm weight, in the word's element order
+#pragma unroll
+          for (int b = 0; b < BMAX; b++)
+#pragma unroll
+            for (int e = 0; e < EPW; e++) { sq[b] = fmaf(xw[b][e], xw[b][e], sq[b]); xw[b][e] *= nv[0][e]; }
+        }
 #pragma unroll
         for (int r = 0; r < R; r++) {
           float v[EPW];
@@ -249,15 +279,16 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
     else if constexpr (FMT == FMT_NVFP4S) rs[r] = __ldg(sc) * 64.0f;
     else rs[r] = 1.0f;
   }
-  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
 }
 
 // ---- GGML NVFP4: rows of in/64 blocks of 36 bytes (4 E4M3 scale bytes, then 4 sub-blocks of 8 bytes;
 // sub-block byte j: element j low nibble, j+8 high). 8 threads per block: thread t reads data word t
 // (bytes 4+4t, sub-block t/2, elements 4(t&1)..+3 and +8) and scale byte t/2. ----
-template <int R, int BMAX, int U>
+template <int R, int BMAX, int U, int NORM = 0>
 __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
-                                float *__restrict__ y, int out, int in, int nb, int add, int bx) {
+                                float *__restrict__ y, int out, int in, int nb, int add, int bx,
+                                const float *__restrict__ nw = nullptr, float eps = 0.f) {
   const int nblk = in / 64, rowbytes = nblk * 36;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = bx * R;
@@ -265,6 +296,9 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
   const int koff = 16 * (t >> 1) + 4 * (t & 1);
+  float sq[BMAX];
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];
@@ -293,6 +327,18 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
       float4 xl[BMAX], xh[BMAX];
 #pragma unroll
       for (int b = 0; b < BMAX; b++) if (b < nb) { xl[b] = ldx4(x + (size_t)b * in + k); xh[b] = ldx4(x + (size_t)b * in + k + 8); }
+      if constexpr (NORM) {
+        const float4 wl = ldx4(nw + k), wh = ldx4(nw + k + 8);
+#pragma unroll
+        for (int b = 0; b < BMAX; b++) if (b < nb) {
+          sq[b] = fmaf(xl[b].x, xl[b].x, sq[b]); sq[b] = fmaf(xl[b].y, xl[b].y, sq[b]);
+          sq[b] = fmaf(xl[b].z, xl[b].z, sq[b]); sq[b] = fmaf(xl[b].w, xl[b].w, sq[b]);
+          sq[b] = fmaf(xh[b].x, xh[b].x, sq[b]); sq[b] = fmaf(xh[b].y, xh[b].y, sq[b]);
+          sq[b] = fmaf(xh[b].z, xh[b].z, sq[b]); sq[b] = fmaf(xh[b].w, xh[b].w, sq[b]);
+          xl[b].x *= wl.x; xl[b].y *= wl.y; xl[b].z *= wl.z; xl[b].w *= wl.w;
+          xh[b].x *= wh.x; xh[b].y *= wh.y; xh[b].z *= wh.z; xh[b].w *= wh.w;
+        }
+      }
 #pragma unroll
       for (int r = 0; r < R; r++) {
         float lo[4], hi[4];
@@ -313,7 +359,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   float rs[R];
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = __ldg(sc) * 64.0f;
-  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
 }
 
 // ---- GGML NVFP4 on the tensor cores (batch 1): mma.sync m16n8k16, f16 in, float32 accumulate.
@@ -420,15 +466,18 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restric
 
 // ---- GGML Q8_0: rows of in/32 blocks of 34 bytes (F16 d, then 32 int8). 8 threads per block:
 // thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
-template <int R, int BMAX, int U>
+template <int R, int BMAX, int U, int NORM = 0>
 __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
-                          int out, int in, int nb, int add, int bx) {
+                          int out, int in, int nb, int add, int bx, const float *__restrict__ nw = nullptr, float eps = 0.f) {
   const int nblk = in / 32, rowbytes = nblk * 34;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = bx * R;
   float acc[R][BMAX];
   int rowc[R];
   start_rows<R, BMAX>(acc, rowc, row0, out);
+  float sq[BMAX];
+#pragma unroll
+  for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];
@@ -453,6 +502,15 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
       float4 xv[BMAX];
 #pragma unroll
       for (int b = 0; b < BMAX; b++) if (b < nb) xv[b] = ldx4(x + (size_t)b * in + k);
+      if constexpr (NORM) {
+        const float4 wv4 = ldx4(nw + k);
+#pragma unroll
+        for (int b = 0; b < BMAX; b++) if (b < nb) {
+          sq[b] = fmaf(xv[b].x, xv[b].x, sq[b]); sq[b] = fmaf(xv[b].y, xv[b].y, sq[b]);
+          sq[b] = fmaf(xv[b].z, xv[b].z, sq[b]); sq[b] = fmaf(xv[b].w, xv[b].w, sq[b]);
+          xv[b].x *= wv4.x; xv[b].y *= wv4.y; xv[b].z *= wv4.z; xv[b].w *= wv4.w;
+        }
+      }
 #pragma unroll
       for (int r = 0; r < R; r++) {
         const u32 w = wv[u][r] ^ 0x80808080u;
@@ -474,7 +532,7 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
   float rs[R];
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = 1.0f;
-  reduce_store<R, BMAX>(acc, y, rs, row0, out, nb, add);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
 }
 // ---- GGML MXFP4: rows of in/32 blocks of 17 bytes (E8M0 byte, then 16 bytes: byte j = element j low
 // nibble, j+16 high). One warp per row (R warps per CTA), a lane per block; byte loads (blocks are
@@ -568,38 +626,39 @@ __global__ void gemv_q8_0_e(const u8 *__restrict__ W, const float *__restrict__ 
 // ---- grouped: up to 3 matrices that read the same x in one launch (q, k and v; gate and up). CTA
 // blockIdx.x < c1 computes matrix 0's row block blockIdx.x, < c2 matrix 1's (blockIdx.x - c1), else
 // matrix 2's; each member is computed exactly as a launch of it alone with the same config. An unused
-// slot has its c at the grid's end. ----
+// slot has its c at the grid's end. NORM 1: x is the input of an RMSNorm over the whole row (weight nw,
+// eps) that the members read (reduce_store). ----
 __device__ __forceinline__ int group_member(int c1, int c2) { return blockIdx.x >= c2 ? 2 : blockIdx.x >= c1 ? 1 : 0; }
 
-template <int FMT, int R, int BMAX, int U, int WPC>
+template <int FMT, int R, int BMAX, int U, int WPC, int NORM>
 __global__ void gemv_plain_g(const u32 *__restrict__ W0, const u32 *__restrict__ W1, const u32 *__restrict__ W2,
                              const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
                              float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
-                             const float *__restrict__ x, int in, int nb, int add) {
+                             const float *__restrict__ x, int in, int nb, int add, const float *__restrict__ nw, float eps) {
   const int m = group_member(c1, c2);
-  if (m == 0) gemv_plain_body<FMT, R, BMAX, U, WPC>(W0, S0, sc0, x, y0, out0, in, nb, add, blockIdx.x);
-  else if (m == 1) gemv_plain_body<FMT, R, BMAX, U, WPC>(W1, S1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1);
-  else gemv_plain_body<FMT, R, BMAX, U, WPC>(W2, S2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2);
+  if (m == 0) gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W0, S0, sc0, x, y0, out0, in, nb, add, blockIdx.x, nw, eps);
+  else if (m == 1) gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W1, S1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1, nw, eps);
+  else gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W2, S2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2, nw, eps);
 }
-template <int R, int BMAX, int U>
+template <int R, int BMAX, int U, int NORM>
 __global__ void gemv_nvfp4_ggml_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2,
                                   const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
                                   float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
-                                  const float *__restrict__ x, int in, int nb, int add) {
+                                  const float *__restrict__ x, int in, int nb, int add, const float *__restrict__ nw, float eps) {
   const int m = group_member(c1, c2);
-  if (m == 0) gemv_nvfp4_ggml_body<R, BMAX, U>(W0, sc0, x, y0, out0, in, nb, add, blockIdx.x);
-  else if (m == 1) gemv_nvfp4_ggml_body<R, BMAX, U>(W1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1);
-  else gemv_nvfp4_ggml_body<R, BMAX, U>(W2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2);
+  if (m == 0) gemv_nvfp4_ggml_body<R, BMAX, U, NORM>(W0, sc0, x, y0, out0, in, nb, add, blockIdx.x, nw, eps);
+  else if (m == 1) gemv_nvfp4_ggml_body<R, BMAX, U, NORM>(W1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1, nw, eps);
+  else gemv_nvfp4_ggml_body<R, BMAX, U, NORM>(W2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2, nw, eps);
 }
-template <int R, int BMAX, int U>
+template <int R, int BMAX, int U, int NORM>
 __global__ void gemv_q8_0_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2,
                             const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,
                             float *y0, float *y1, float *y2, int out0, int out1, int out2, int c1, int c2,
-                            const float *__restrict__ x, int in, int nb, int add) {
+                            const float *__restrict__ x, int in, int nb, int add, const float *__restrict__ nw, float eps) {
   const int m = group_member(c1, c2);
-  if (m == 0) gemv_q8_0_body<R, BMAX, U>(W0, x, y0, out0, in, nb, add, blockIdx.x);
-  else if (m == 1) gemv_q8_0_body<R, BMAX, U>(W1, x, y1, out1, in, nb, add, blockIdx.x - c1);
-  else gemv_q8_0_body<R, BMAX, U>(W2, x, y2, out2, in, nb, add, blockIdx.x - c2);
+  if (m == 0) gemv_q8_0_body<R, BMAX, U, NORM>(W0, x, y0, out0, in, nb, add, blockIdx.x, nw, eps);
+  else if (m == 1) gemv_q8_0_body<R, BMAX, U, NORM>(W1, x, y1, out1, in, nb, add, blockIdx.x - c1, nw, eps);
+  else gemv_q8_0_body<R, BMAX, U, NORM>(W2, x, y2, out2, in, nb, add, blockIdx.x - c2, nw, eps);
 }
 template <int BMAX>
 __global__ void gemv_mxfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
