@@ -24,7 +24,9 @@ sigmoid_mul, GLM's bias_add and grouped router among them). Prefill: one chunk p
 the bf16 tensor-core rate (the delta rule's 6 x v_heads x k_dim x v_dim FLOPs a row counted beside
 the linears' and the causal attention's).
 --peer: HF transformers in bf16 (random init, same config): eager (DynamicCache) and a
-StaticCache decode loop under torch.compile(mode="reduce-overhead", fullgraph=True); skipped, with
+StaticCache decode loop under torch.compile(mode="reduce-overhead", fullgraph=True), then the same
+compiled loop with the decoder linears in gpt-fast's int4 (tools/peer_int4.py: torch's
+_weight_int4pack_mm, groups of 128, about the weight bytes of NVFP4; --no-int4 skips it); skipped, with
 the reason, where its bf16 weights do not fit in the GPU's free memory (Qwen3-Next-80B's 159 GB and
 GLM-4.5-Air's 214 GB at full depth: give --layers).
 Disk: the checkpoint and the artifact are about the same size and coexist during prepare; the run
@@ -465,7 +467,10 @@ def peer_fits(shape: dict) -> tuple[bool, str]:
 
 
 def bench_peer(ckpt: Path, steps: int, prompt_len: int = PROMPT_LEN, compiled: bool = True,
-               device: str = "cuda") -> dict:
+               device: str = "cuda", int4: bool = True) -> dict:
+    """HF transformers on the checkpoint's config (random bf16 weights): eager (DynamicCache), the
+    compiled StaticCache loop, and (int4) the same compiled loop with every decoder linear quantized to
+    gpt-fast's int4 groups of 128 (torch's int4 kernels; the head and embedding stay bf16)."""
     import torch
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     import transformers
@@ -490,7 +495,9 @@ def bench_peer(ckpt: Path, steps: int, prompt_len: int = PROMPT_LEN, compiled: b
         sync()
         res["eager_s_per_tok"] = (time.perf_counter() - t0) / (steps - WARM)
         del pkv, out
-        if compiled:
+        def run_compiled(model, compile_it: bool = True):
+            """(seconds a token, compile seconds) of the StaticCache loop under torch.compile (eager when
+            not compile_it: what a CPU test can afford)."""
             t0 = time.perf_counter()
             cache = StaticCache(config=model.config, max_cache_len=prompt_len + steps + 16)
             out = model(input_ids=ids, past_key_values=cache, use_cache=True,
@@ -500,17 +507,28 @@ def bench_peer(ckpt: Path, steps: int, prompt_len: int = PROMPT_LEN, compiled: b
             def step(t, pos):
                 return model(input_ids=t, past_key_values=cache, use_cache=True, cache_position=pos).logits
 
-            cstep = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            cstep = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compile_it else step
             for i in range(steps):
                 if i == 8:
                     sync()
-                    res["compile_s"] = time.perf_counter() - t0
+                    compile_s = time.perf_counter() - t0
                     t1 = time.perf_counter()
                 torch.compiler.cudagraph_mark_step_begin()
                 lg = cstep(tok, torch.tensor([prompt_len + i], device=device))
                 tok = lg[:, -1:].argmax(-1)
             sync()
-            res["compiled_s_per_tok"] = (time.perf_counter() - t1) / (steps - 8)
+            return (time.perf_counter() - t1) / (steps - 8), compile_s
+
+        if compiled:
+            res["compiled_s_per_tok"], res["compile_s"] = run_compiled(model)
+        if int4:                             # the same model, its decoder linears int4 (tools/peer_int4.py)
+            from bloomery.tools import peer_int4
+            torch.compiler.reset()
+            res["int4_linears"] = peer_int4.quantize_model(model)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            res["int4_bytes"] = peer_int4.nbytes(model)
+            res["int4_s_per_tok"], res["int4_compile_s"] = run_compiled(model, compile_it=compiled)
     return res
 
 
@@ -527,7 +545,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-shapes", nargs="*", default=None, help="run the peer on these only (default: all)")
-    ap.add_argument("--no-compile", action="store_true", help="peer: eager only")
+    ap.add_argument("--no-compile", action="store_true", help="peer: eager only (no compiled and no int4 peer)")
+    ap.add_argument("--no-int4", action="store_true", help="peer: skip the int4 weight-only peer")
     ap.add_argument("--prefill", nargs="*", type=int, default=[512, 4096], help="prompt lengths timed in one chunk")
     ap.add_argument("--prefill-modes", nargs="*", default=[None],
                     help="BLOOMERY_PREFILL_GEMM settings to time prefill in (default: the lever's setting)")
@@ -598,7 +617,8 @@ def main(argv=None) -> int:
 
     for shape, sh in shapes.items():
         r = {"shape": shape, "format": a.format, "layers": sh["layers"]}
-        ck, art = ckdir / f"{shape}-{a.format}-ckpt", a.work / f"{shape}-{a.format}"
+        tag = f"{shape}-{a.format}-{sh['layers']}l"            # a run at other --layers never reuses this one
+        ck, art = ckdir / f"{tag}-ckpt", a.work / tag
         try:
             if not art.exists():
                 shutil.rmtree(ck, ignore_errors=True)              # a leftover of an interrupted run
@@ -665,7 +685,7 @@ def main(argv=None) -> int:
                 if ok:
                     if not (ck / "config.json").exists():
                         synthetic.write_config(sh, ck, a.format)
-                    r.update(bench_peer(ck, a.steps, compiled=not a.no_compile))
+                    r.update(bench_peer(ck, a.steps, compiled=not a.no_compile, int4=not (a.no_int4 or a.no_compile)))
                 else:
                     r["peer_skipped"] = why
                 torch.cuda.empty_cache()             # the peer's model is gone with bench_peer's frame
@@ -684,7 +704,7 @@ def main(argv=None) -> int:
                                                             default=str))
     if a.prepare_only:
         for r in rows:
-            log(f"{r['shape']}: {r.get('error') or 'artifact in ' + str(a.work / (r['shape'] + '-' + a.format))}")
+            log(f"{r['shape']}: {r.get('error') or 'artifact in ' + str(a.work / (r['shape'] + '-' + a.format + '-' + str(r['layers']) + 'l'))}")
         return 0
     log()
     log("decode device time per op kind (each kind's launches replayed alone from a graph; ms per token, launches):")
@@ -744,8 +764,9 @@ def main(argv=None) -> int:
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s; MB/tok: the executor's weight count | the model's whole traffic "
         f"(states and KV included), whose copy roofline the last columns compare with")
     log("| shape | fmt | layers | load s (upload GB/s) | tok/s | ms/tok | graph ms/tok | MB/tok | GB/s | % copy "
-        "| MB/tok all | roofline tok/s | % roofline | peer eager tok/s | peer compiled tok/s | x compiled peer |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| MB/tok all | roofline tok/s | % roofline | peer eager tok/s | peer compiled tok/s | x compiled peer "
+        "| peer int4 tok/s | x int4 peer |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "s_per_tok" not in r:
             log(f"| {r['shape']} | {r['format']} | {r['layers']} | ERROR {r.get('error', '')[:90]} |")
@@ -753,12 +774,14 @@ def main(argv=None) -> int:
         pe = f"{1 / r['eager_s_per_tok']:.1f}" if "eager_s_per_tok" in r else "skipped" if "peer_skipped" in r else "-"
         pc = f"{1 / r['compiled_s_per_tok']:.1f}" if "compiled_s_per_tok" in r else "-"
         ratio = f"{r['compiled_s_per_tok'] / r['s_per_tok']:.2f}" if "compiled_s_per_tok" in r else "-"
+        p4 = f"{1 / r['int4_s_per_tok']:.1f}" if "int4_s_per_tok" in r else "-"
+        r4 = f"{r['int4_s_per_tok'] / r['s_per_tok']:.2f}" if "int4_s_per_tok" in r else "-"
         rp = f"{1e3 * r['replay_s']:.3f}" if r.get("replay_s") else "-"
         up = r["upload_gb"] / r["upload_s"] if r["upload_s"] else 0
         log(f"| {r['shape']} | {r['format']} | {r['layers']} | {r['load_s']:.2f} ({up:.1f}) | {1 / r['s_per_tok']:.1f} | "
             f"{1e3 * r['s_per_tok']:.3f} | {rp} | {r['bytes_per_tok'] / 1e6:.1f} | {r['gb_s']:.0f} | "
             f"{r['pct_copy']:.1f} | {r['traffic_per_tok'] / 1e6:.1f} | {r['roofline_tok_s']:.1f} | "
-            f"{r['pct_copy_traffic']:.1f} | {pe} | {pc} | {ratio} |")
+            f"{r['pct_copy_traffic']:.1f} | {pe} | {pc} | {ratio} | {p4} | {r4} |")
     for r in rows:
         if "peer_skipped" in r:
             log(f"peer skipped on {r['shape']}: {r['peer_skipped']}")
