@@ -32,6 +32,13 @@ def test_cuda_verify_rows_equal_decode_steps(name):
     verify_rows_equal_decode_steps(Engine(artifact(name), device="cuda", ctx=256), name)
 
 
+@pytest.mark.parametrize("name", ("tiny-llama/nvfp4", "tiny-llama/fp8", "tiny-qwen3_next/nvfp4"))
+def test_cuda_verify_rows_past_eight_equal_decode_steps(name):
+    """--draft-max 12: the verify program's 13 rows run in launches of up to 8 rows (the GEMV's most);
+    each row still the 1-row decode step's bit for bit, through the grouped and norm-folded linears."""
+    verify_rows_equal_decode_steps(Engine(artifact(name), device="cuda", ctx=256, draft_max=12), name)
+
+
 @pytest.mark.parametrize("name", GATED)
 def test_cuda_ngram_draft_is_lossless(name):
     """256 greedy tokens (EOS masked) with the n-gram draft on the GPU equal the GPU's plain tokens."""

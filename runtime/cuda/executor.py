@@ -469,8 +469,11 @@ class CudaExecutor:
         self.steps[prog], self.tags[prog] = self.steps[last], self.tags[last]
 
     def _cores_one_launch(self, prog: str, lin: G.Linear, rows: int) -> bool:
-        """Whether _gemv runs this linear as one CUDA-core GEMV launch (what a Group replaces)."""
-        if rows > GEMV_ROWS or lin.experts or lin.mma or lin.kind not in G.GROUP_KINDS or lin.config:
+        """Whether _gemv runs this linear on the CUDA-core GEMV kernels in one launch (what a Group
+        replaces); the verify program's rows in launches of up to 8 rows whatever their count, as the
+        1-row decode step computes each row (a Group there too, or verify would not be that step)."""
+        if (rows > GEMV_ROWS and prog != "verify") or lin.experts or lin.mma or lin.kind not in G.GROUP_KINDS \
+                or lin.config:
             return False
         if prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS:
             return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
@@ -526,14 +529,17 @@ class CudaExecutor:
         lins = [self.w.linear(op["weight"]) for op in ops]
         grp = G.Group(lins, norm=norm is not None)
         one = prog == "verify"
-        self._need.append((grp, rows, one))
         for lin in lins:
             self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
             if prog == "decode":
                 self.decode_bytes += lin.nbytes
         nw, eps = norm if norm is not None else (None, 0.0)
-        return [grp.bind(bufs[x_buf or ops[0]["x"]][:rows], [bufs[op["out"]][:rows] for op in ops], rows, one,
-                         norm_weight=nw, eps=eps)]
+        x, ys, steps = bufs[x_buf or ops[0]["x"]], [bufs[op["out"]] for op in ops], []
+        for g in range(0, rows, GEMV_ROWS):             # more than 8 rows: verify only (_cores_one_launch)
+            nb = min(GEMV_ROWS, rows - g)
+            self._need.append((grp, nb, one))
+            steps.append(grp.bind(x[g:g + nb], [y[g:g + nb] for y in ys], nb, one, norm_weight=nw, eps=eps))
+        return steps
 
     @staticmethod
     def _fusable_rope(ops, i) -> bool:
