@@ -1,0 +1,114 @@
+"""Which launches the CUDA executor fuses, decided on the CPU from real plans (no GPU needed): the
+linears that read one input grouped (q, k, v; gate, up), a whole-row RMSNorm folded into them only
+where its output is read by nothing else, verify's rows past 8 still fused as the 1-row decode step,
+and nothing fused on the paths that do not run the CUDA-core GEMV. The fused launches' values are
+tests/test_cuda_kernels.py's (GPU); this checks the decisions (runtime/cuda/executor.py _group_size,
+_norm_fold) on every tiny family."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from bloomery.core.artifact.reader import Artifact
+from bloomery.runtime.cuda import executor as X
+from bloomery.runtime.cuda import gemv as G
+from bloomery.runtime.engine import read_plans
+
+from runtime_artifacts import artifact
+
+pytestmark = pytest.mark.models
+
+FAMILIES = ("tiny-llama/nvfp4", "tiny-llama/fp8", "tiny-qwen3/nvfp4", "tiny-qwen3_moe/nvfp4", "tiny-qwen3_next/nvfp4",
+            "tiny-glm4_moe/nvfp4", "tiny-qwen4_exp/nvfp4", "tiny-glm5_next/nvfp4")
+
+
+class Weights:
+    """The executor's weight view, from the artifact's table (shapes and formats; nothing uploaded)."""
+
+    def __init__(self, art):
+        self.table = art.tensors(0)
+
+    def linear(self, name):
+        t = self.table[name]
+        kind = G.kernel_kind(t.format, {"scale": 1} if t.layout == "stored" else {})
+        return SimpleNamespace(kind=kind, out=t.shape[-2], inn=t.shape[-1], mma=False, config=None,
+                               experts=math.prod(t.shape[:-2]) if len(t.shape) > 2 else 0)
+
+    def pre_quant(self, name):
+        return 1 if "pre_quant_scale" in self.table[name].parts else None
+
+    def vector(self, name, offset=0.0):
+        return np.zeros(math.prod(self.table[name].shape), np.float32)
+
+
+def executor(name, **modes):
+    art = Artifact.open(artifact(name))
+    ex = object.__new__(X.CudaExecutor)
+    ex.w = Weights(art)
+    ex.tc_mode, ex.group_mode, ex.fold_norm = modes.get("tc", "auto"), modes.get("group", "on"), modes.get("fold", "on")
+    return ex, read_plans(art)[0]
+
+
+def bufs(plan, rows):
+    return {n: np.empty([rows if d == "rows" else 1 if isinstance(d, str) else d for d in b["shape"]], np.float32)
+            for n, b in plan["buffers"].items()}
+
+
+def folds(ex, plan, prog, rows):
+    ops, b = plan["programs"][prog]["ops"], bufs(plan, rows)
+    return ops, {i: n for i, o in enumerate(ops) if o["op"] == "rmsnorm" and (n := ex._norm_fold(ops, i, b, rows, prog))}
+
+
+def read_later(ops, j, buf):
+    """An independent scan: some op from j on names `buf` other than as its output before one writes it."""
+    for o in ops[j:]:
+        if any(v == buf for k, v in o.items() if k != "out" and isinstance(v, str)):
+            return True
+        if o.get("out") == buf:
+            return False
+    return False
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_folds_only_norms_nothing_else_reads(name):
+    ex, plan = executor(name)
+    for prog, rows in (("decode", 1), ("verify", 5), ("verify", 13)):
+        ops, got = folds(ex, plan, prog, rows)
+        for i, n in got.items():
+            norm, lins = ops[i], ops[i + 1:i + 1 + n]
+            assert all(o["op"] == "linear" and o["x"] == norm["out"] for o in lins), (name, prog, i)
+            assert not read_later(ops, i + 1 + n, norm["out"]), f"{name} {prog}: op {i}'s output is read after the fold"
+            assert norm["x"] not in {o["out"] for o in lins}
+            assert len({(ex.w.linear(o["weight"]).kind, ex.w.linear(o["weight"]).inn) for o in lins}) == 1
+
+
+def test_llama_attention_and_mlp_norms_fold_into_their_linears():
+    ex, plan = executor("tiny-llama/nvfp4")
+    layers = sum(1 for o in plan["programs"]["decode"]["ops"] if o["op"] == "attention")
+    for prog, rows in (("decode", 1), ("verify", 13)):          # verify past 8 rows: the decode step's launches
+        ops, got = folds(ex, plan, prog, rows)
+        assert sorted(got.values()) == [2] * layers + [3] * layers, (prog, got)
+        assert all(ops[i + 1]["weight"].endswith(("attn_q", "ffn_gate")) for i in got)
+
+
+def test_moe_norm_is_not_folded_its_router_and_experts_read_it():
+    ex, plan = executor("tiny-qwen3_moe/nvfp4")
+    ops, got = folds(ex, plan, "decode", 1)
+    layers = sum(1 for o in ops if o["op"] == "attention")
+    assert sorted(got.values()) == [3] * layers                  # the attention norms only
+    assert all(ops[i + 1]["op"] != "moe_router" for i in got)
+
+
+def test_nothing_fused_off_the_cuda_core_path():
+    ex, plan = executor("tiny-llama/nvfp4", tc="off")
+    ops, b = plan["programs"]["decode"]["ops"], bufs(plan, 9)
+    q = next(i for i, o in enumerate(ops) if o["op"] == "linear")
+    assert ex._group_size(ops, q, 9, "decode") == 0               # 9 slots: launches of 8, no group
+    assert not folds(ex, plan, "decode", 9)[1]
+    assert not folds(executor("tiny-llama/nvfp4", fold="off")[0], plan, "decode", 1)[1]
+    assert not folds(executor("tiny-llama/nvfp4", group="off")[0], plan, "decode", 1)[1]   # k and v read it too
+    assert ex._group_size(ops, q, 1, "decode") == 3
