@@ -412,9 +412,7 @@ class CudaExecutor:
             fn = self._binder(op["op"])
             if fn is None:
                 raise DeviceUnavailable(f"{prog} op {i} ({op['op']}): no CUDA implementation")
-            if (op["op"] in ("linear", "moe_experts") and nxt is not None and nxt["op"] == "add"
-                    and _dead_after(ops, i + 2, op["out"]) and nxt["out"] in (nxt["a"], nxt["b"])
-                    and op["out"] in (nxt["a"], nxt["b"]) and nxt["out"] != op["out"] and nxt["out"] != op["x"]):
+            if self._into_residual(ops, i):
                 new = fn(op, bufs, rows, prog, acc=nxt["out"])
                 tag, i = op["op"] + "+add", i + 2
             elif op["op"] == "rmsnorm" and (n := self._norm_fold(ops, i, bufs, rows, prog)):
@@ -468,6 +466,15 @@ class CudaExecutor:
         last = (prog, self.counts[prog][-1])
         self.steps[prog], self.tags[prog] = self.steps[last], self.tags[last]
 
+    @staticmethod
+    def _into_residual(ops, i) -> bool:
+        """Whether linear (or experts) ops[i] accumulates into the residual of the add after it (y += W x:
+        its output read by that add only, the add in place on the residual)."""
+        op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+        return (op["op"] in ("linear", "moe_experts") and nxt is not None and nxt["op"] == "add"
+                and _dead_after(ops, i + 2, op["out"]) and nxt["out"] in (nxt["a"], nxt["b"])
+                and op["out"] in (nxt["a"], nxt["b"]) and nxt["out"] != op["out"] and nxt["out"] != op["x"])
+
     def _cores_one_launch(self, prog: str, lin: G.Linear, rows: int) -> bool:
         """Whether _gemv runs this linear on the CUDA-core GEMV kernels in one launch (what a Group
         replaces); the verify program's rows in launches of up to 8 rows whatever their count, as the
@@ -482,7 +489,7 @@ class CudaExecutor:
     def _member(self, ops, j: int, first, rows: int, prog: str, outs) -> bool:
         """Whether linear ops[j] can join a Group led by linear `first`: the same x, kernel family and
         width, no activation pre-scale, one CUDA-core launch, an output of its own other than x, and
-        not feeding the next op's residual add (that linear accumulates into the residual instead)."""
+        not one that accumulates into the next op's residual add instead (_into_residual)."""
         op = ops[j]
         if op["op"] != "linear" or op["x"] != first["x"] or op["out"] in outs or op["out"] == first["x"]:
             return False
@@ -490,8 +497,7 @@ class CudaExecutor:
         if (self.w.pre_quant(op["weight"]) is not None or (lin.kind, lin.inn) != (lead.kind, lead.inn)
                 or not self._cores_one_launch(prog, lin, rows)):
             return False
-        nxt = ops[j + 1] if j + 1 < len(ops) else None
-        return not (nxt is not None and nxt["op"] == "add" and op["out"] in (nxt["a"], nxt["b"]))
+        return not self._into_residual(ops, j)
 
     def _group_size(self, ops, i, rows: int, prog: str) -> int:
         """How many consecutive linears from ops[i] launch as one Group (_member; 0: not even ops[i])."""

@@ -19,10 +19,10 @@ allocation when `y` is given, so a sequence of calls can be captured into a CUDA
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from dataclasses import dataclass
 from typing import Mapping
+
+import numpy as np
 
 try:                                    # importable without CuPy (CPU machines, test collection)
     import cupy as cp
@@ -499,12 +499,11 @@ class Group:
         kinds = {(L.kind, L.inn) for L in lins}
         if not (1 if norm else 2) <= len(lins) <= GROUP_MAX or len(kinds) != 1 or lins[0].kind not in GROUP_KINDS \
                 or any(L.experts or L.mma or L.config for L in lins):
-            raise ValueError(f"gemv.Group: 2..{GROUP_MAX} linears of one kernel family and width, got "
+            raise ValueError(f"gemv.Group: {1 if norm else 2}..{GROUP_MAX} linears of one kernel family and width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
         self.lins, self.norm = lins, bool(norm)
         self.kind, self.inn = lins[0].kind, lins[0].inn
         self.lead = max(lins, key=lambda L: L.out)
-        self.nbytes = sum(L.nbytes for L in lins)
 
     def config(self, nb: int, one: bool = False) -> Config:
         return default_config(self.kind, self.lead.out, self.inn, 1 if one else nb)
@@ -520,10 +519,9 @@ class Group:
         if self.norm != (norm_weight is not None) or (self.norm and int(norm_weight.size) != self.inn):
             raise ValueError(f"gemv.Group: norm {self.norm}, a norm weight of {getattr(norm_weight, 'size', None)} "
                              f"values for rows of {self.inn}")
-        c = self.config(nb, one)
-        name = group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC, self.norm)
+        c, name = self.config(nb, one), self.kernel_name(nb, one)
         ctas = [math.ceil(L.out / c.R) for L in self.lins]
-        cuts = [sum(ctas[:i + 1]) if i + 1 < len(ctas) else sum(ctas) for i in range(GROUP_MAX - 1)]
+        cuts = [sum(ctas[:i + 1]) for i in range(GROUP_MAX - 1)]     # an unused slot's cut: the grid's end
         pad = lambda v, fill: list(v) + [fill] * (GROUP_MAX - len(v))  # noqa: E731
         i32 = cp.int32
         args = (*pad([L.w for L in self.lins], self.lins[0].w),
@@ -539,12 +537,6 @@ class Group:
                 kern.append(compile_kernels([name], defines)[name])
             kern[0](grid, block, args)
         return run
-
-    def __call__(self, x, norm_weight=None, eps: float = 0.0):
-        """ys = [W_m x] (x: float32 [nb, in], nb <= 8); allocates (not for graph capture)."""
-        ys = [cp.empty((x.shape[0], L.out), cp.float32) for L in self.lins]
-        self.bind(x, ys, x.shape[0], norm_weight=norm_weight, eps=eps)()
-        return ys
 
 
 def gemv(fmt: str, shape, arrays: Mapping, x, y=None, accumulate: bool = False, config: Config | None = None):

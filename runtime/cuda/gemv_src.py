@@ -91,6 +91,12 @@ __device__ __forceinline__ void start_rows(float (&acc)[R][BMAX], int (&rowc)[R]
 // NORM 1 (an RMSNorm folded into the linear): the CTA's threads have also summed x^2 of each batch row
 // (every x value is loaded once a CTA) and multiplied x by the norm weight; the row's 1/sqrt(mean(x^2) +
 // eps) then scales the outputs (y = inv W (x * w): the norm's arithmetic up to float32 rounding).
+// NORM's step on 4 loaded x values: their squares into the row's sum, then x times the norm weight
+__device__ __forceinline__ void norm4(float4 &v, const float4 w, float &sq) {
+  sq = fmaf(v.x, v.x, sq); sq = fmaf(v.y, v.y, sq); sq = fmaf(v.z, v.z, sq); sq = fmaf(v.w, v.w, sq);
+  v.x *= w.x; v.y *= w.y; v.z *= w.z; v.w *= w.w;
+}
+
 template <int R, int BMAX, int NORM = 0>
 __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__restrict__ y, const float *rs,
                                              int row0, int out, int nb, int add, const float *sq = nullptr,
@@ -330,14 +336,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
       if constexpr (NORM) {
         const float4 wl = ldx4(nw + k), wh = ldx4(nw + k + 8);
 #pragma unroll
-        for (int b = 0; b < BMAX; b++) if (b < nb) {
-          sq[b] = fmaf(xl[b].x, xl[b].x, sq[b]); sq[b] = fmaf(xl[b].y, xl[b].y, sq[b]);
-          sq[b] = fmaf(xl[b].z, xl[b].z, sq[b]); sq[b] = fmaf(xl[b].w, xl[b].w, sq[b]);
-          sq[b] = fmaf(xh[b].x, xh[b].x, sq[b]); sq[b] = fmaf(xh[b].y, xh[b].y, sq[b]);
-          sq[b] = fmaf(xh[b].z, xh[b].z, sq[b]); sq[b] = fmaf(xh[b].w, xh[b].w, sq[b]);
-          xl[b].x *= wl.x; xl[b].y *= wl.y; xl[b].z *= wl.z; xl[b].w *= wl.w;
-          xh[b].x *= wh.x; xh[b].y *= wh.y; xh[b].z *= wh.z; xh[b].w *= wh.w;
-        }
+        for (int b = 0; b < BMAX; b++) if (b < nb) { norm4(xl[b], wl, sq[b]); norm4(xh[b], wh, sq[b]); }
       }
 #pragma unroll
       for (int r = 0; r < R; r++) {
@@ -505,11 +504,7 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
       if constexpr (NORM) {
         const float4 wv4 = ldx4(nw + k);
 #pragma unroll
-        for (int b = 0; b < BMAX; b++) if (b < nb) {
-          sq[b] = fmaf(xv[b].x, xv[b].x, sq[b]); sq[b] = fmaf(xv[b].y, xv[b].y, sq[b]);
-          sq[b] = fmaf(xv[b].z, xv[b].z, sq[b]); sq[b] = fmaf(xv[b].w, xv[b].w, sq[b]);
-          xv[b].x *= wv4.x; xv[b].y *= wv4.y; xv[b].z *= wv4.z; xv[b].w *= wv4.w;
-        }
+        for (int b = 0; b < BMAX; b++) if (b < nb) norm4(xv[b], wv4, sq[b]);
       }
 #pragma unroll
       for (int r = 0; r < R; r++) {
