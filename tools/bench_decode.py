@@ -619,6 +619,7 @@ def main(argv=None) -> int:
         r = {"shape": shape, "format": a.format, "layers": sh["layers"]}
         tag = f"{shape}-{a.format}-{sh['layers']}l"            # a run at other --layers never reuses this one
         ck, art = ckdir / f"{tag}-ckpt", a.work / tag
+        r["artifact"] = str(art)
         try:
             if not art.exists():
                 shutil.rmtree(ck, ignore_errors=True)              # a leftover of an interrupted run
@@ -704,7 +705,7 @@ def main(argv=None) -> int:
                                                             default=str))
     if a.prepare_only:
         for r in rows:
-            log(f"{r['shape']}: {r.get('error') or 'artifact in ' + str(a.work / (r['shape'] + '-' + a.format + '-' + str(r['layers']) + 'l'))}")
+            log(f"{r['shape']}: {r.get('error') or 'artifact in ' + r['artifact']}")
         return 0
     log()
     log("decode device time per op kind (each kind's launches replayed alone from a graph; ms per token, launches):")
