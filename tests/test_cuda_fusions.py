@@ -1,9 +1,10 @@
 """Which launches the CUDA executor fuses, decided on the CPU from real plans (no GPU needed): the
 linears that read one input grouped (q, k, v; gate, up), a whole-row RMSNorm folded into them only
-where its output is read by nothing else, verify's rows past 8 still fused as the 1-row decode step,
+where its output is read by nothing else, a SwiGLU folded into its gate / up pair only where their
+outputs are read by nothing else, verify's rows past 8 still fused as the 1-row decode step,
 and nothing fused on the paths that do not run the CUDA-core GEMV. The fused launches' values are
 tests/test_cuda_kernels.py's (GPU); this checks the decisions (runtime/cuda/executor.py _group_size,
-_norm_fold) on every tiny family."""
+_norm_fold, _swiglu_after) on every tiny family."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def executor(name, **modes):
     ex = object.__new__(X.CudaExecutor)
     ex.w = Weights(art)
     ex.tc_mode, ex.group_mode, ex.fold_norm = modes.get("tc", "auto"), modes.get("group", "on"), modes.get("fold", "on")
+    ex.fold_swiglu = modes.get("swiglu", "on")
     return ex, read_plans(art)[0]
 
 
@@ -112,3 +114,48 @@ def test_nothing_fused_off_the_cuda_core_path():
     assert not folds(executor("tiny-llama/nvfp4", fold="off")[0], plan, "decode", 1)[1]
     assert not folds(executor("tiny-llama/nvfp4", group="off")[0], plan, "decode", 1)[1]   # k and v read it too
     assert ex._group_size(ops, q, 1, "decode") == 3
+
+
+def swiglus(ex, plan, prog, rows):
+    """{index of a group's first linear: the swiglu op folded into it}, as the executor's bind loop asks."""
+    ops, b, got = plan["programs"][prog]["ops"], bufs(plan, rows), {}
+    for i, o in enumerate(ops):
+        if o["op"] == "linear" and ex.group_mode != "off" and (n := ex._group_size(ops, i, rows, prog)) > 1 \
+                and (sw := ex._swiglu_after(ops, i, n)):
+            got[i] = sw
+    return ops, got
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_swiglu_folds_only_into_its_own_gate_and_up(name):
+    ex, plan = executor(name)
+    for prog, rows in (("decode", 1), ("verify", 13)):
+        ops, got = swiglus(ex, plan, prog, rows)
+        for i, sw in got.items():
+            g, u = ops[i], ops[i + 1]
+            assert ops[i + 2] is sw and g["x"] == u["x"] and (sw["gate"], sw["up"]) == (g["out"], u["out"]), (name, i)
+            assert ex.w.linear(g["weight"]).out == ex.w.linear(u["weight"]).out
+            for buf in (g["out"], u["out"]):
+                assert buf == sw["out"] or not read_later(ops, i + 3, buf), f"{name} {prog}: {buf} is read after the fold"
+
+
+def test_llama_swiglu_folds_once_a_layer_and_only_with_its_lever():
+    ex, plan = executor("tiny-llama/nvfp4")
+    layers = sum(1 for o in plan["programs"]["decode"]["ops"] if o["op"] == "attention")
+    for prog, rows in (("decode", 1), ("verify", 13)):
+        ops, got = swiglus(ex, plan, prog, rows)
+        assert len(got) == layers and all(ops[i]["weight"].endswith("ffn_gate") for i in got), (prog, sorted(got))
+    assert not swiglus(executor("tiny-llama/nvfp4", swiglu="off")[0], plan, "decode", 1)[1]
+    assert not swiglus(executor("tiny-llama/nvfp4", group="off")[0], plan, "decode", 1)[1]
+
+
+def test_swiglu_not_folded_where_gate_or_up_is_read_after():
+    """A plan edited so that an op after the swiglu reads the up (or gate) output: nothing folds there."""
+    ex, plan = executor("tiny-llama/nvfp4")
+    ops = plan["programs"]["decode"]["ops"]
+    i = next(i for i, o in enumerate(ops) if o["op"] == "linear" and o["weight"].endswith("ffn_gate"))
+    assert ex._swiglu_after(ops, i, 2) is ops[i + 2]
+    for k in ("up", "gate"):
+        edited = ops[:i + 3] + [{"op": "add", "a": ops[i + 2][k], "b": ops[i + 2]["out"], "out": "x"}] + ops[i + 3:]
+        if ops[i + 2][k] != ops[i + 2]["out"]:
+            assert ex._swiglu_after(edited, i, 2) is None, f"folded though {ops[i + 2][k]} is read after"

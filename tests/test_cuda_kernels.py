@@ -175,6 +175,43 @@ def test_gemv_group_folds_rmsnorm(fmt):
         G.Group(lins[:2], norm=True).bind(cp.zeros((1, inn), cp.float32), [cp.zeros((1, 1000), cp.float32)] * 2, 1)
 
 
+@pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
+def test_gemv_pair_folds_swiglu(fmt):
+    """gemv.Group(pair=True): silu(W_gate x) * (W_up x) in one launch, bit-equal to the grouped launch then
+    swiglu_k (and swiglu_limit_k with a clamp), with and without a folded norm; one=True rows bit-equal
+    to 1-row launches."""
+    from bloomery.runtime.cuda import ops as K
+    rng = np.random.default_rng(zlib.crc32(repr(("pair", fmt)).encode()))
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    inn, out, eps = 256, 600, 1e-5
+    mats = [artifact(f, (out, inn), rng, stored_nvfp4=fmt == "nvfp4_stored") for _ in range(2)]
+    lins = [G.Linear(f, (out, inn), {k: cp.asarray(v) for k, v in a.items()}) for _, a in mats]
+    w = cp.asarray((1 + 0.3 * rng.standard_normal(inn)).astype(np.float32))
+    for norm in (False, True):
+        grp, plain = G.Group(lins, norm=norm, pair=True), G.Group(lins, norm=norm)
+        nk = dict(norm_weight=w, eps=eps) if norm else {}
+        for nb, one, limit in ((1, False, None), (5, False, None), (3, True, None), (2, False, 0.7)):
+            x = cp.asarray((rng.standard_normal((nb, inn)) * 3).astype(np.float32))
+            o = cp.full((nb, out), cp.nan, dtype=cp.float32)
+            grp.bind(x, [o], nb, one, limit=limit, **nk)()
+            g, u = (cp.full((nb, out), cp.nan, dtype=cp.float32) for _ in range(2))
+            plain.bind(x, [g, u], nb, one, **nk)()
+            ref = cp.empty_like(g)
+            if limit is None:
+                K.kernels()["swiglu_k"]((4,), (256,), (g, u, ref, np.int32(g.size)))
+            else:
+                K.kernels()["swiglu_limit_k"]((4,), (256,), (g, u, ref, np.int32(g.size), np.float32(limit)))
+            assert cp.array_equal(o, ref), f"{fmt} norm={norm} {nb} rows one={one} limit={limit}: not the unfused launches"
+            if one:
+                for b in range(nb):
+                    o1 = cp.full((1, out), cp.nan, dtype=cp.float32)
+                    grp.bind(x[b:b + 1], [o1], 1, **nk)()
+                    assert cp.array_equal(o[b], o1[0]), f"{fmt}: verify row {b} != its 1-row launch"
+    _, half = artifact(f, (out // 2, inn), rng, stored_nvfp4=fmt == "nvfp4_stored")
+    with pytest.raises(ValueError):
+        G.Group([lins[0], G.Linear(f, (out // 2, inn), {k: cp.asarray(v) for k, v in half.items()})], pair=True)
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 64 == 0] + [(16, 14336)])
 def test_gemv_nvfp4_tensor_cores(shape):
     """gemv_nvfp4_mma (batch 1; larger batches fall back to the CUDA-core kernel): x split into f16

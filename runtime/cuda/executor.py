@@ -390,6 +390,7 @@ class CudaExecutor:
         self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
         self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
+        self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -416,11 +417,13 @@ class CudaExecutor:
                 new = fn(op, bufs, rows, prog, acc=nxt["out"])
                 tag, i = op["op"] + "+add", i + 2
             elif op["op"] == "rmsnorm" and (n := self._norm_fold(ops, i, bufs, rows, prog)):
-                new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog)
-                tag, i = "rmsnorm+linear", i + 1 + n
+                sw = self._swiglu_after(ops, i + 1, n)
+                new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog, swiglu=sw)
+                tag, i = "rmsnorm+linear" + ("+swiglu" if sw else ""), i + 1 + n + (sw is not None)
             elif op["op"] == "linear" and self.group_mode != "off" and (n := self._group_size(ops, i, rows, prog)) > 1:
-                new = self._op_linear_group(ops[i:i + n], bufs, rows, prog)
-                tag, i = "linear", i + n
+                sw = self._swiglu_after(ops, i, n)
+                new = self._op_linear_group(ops[i:i + n], bufs, rows, prog, swiglu=sw)
+                tag, i = "linear" + ("+swiglu" if sw else ""), i + n + (sw is not None)
             elif op["op"] == "rope" and self._fusable_rope(ops, i):
                 new = self._rope_qk_kv(op, nxt, ops[i + 2], bufs, rows) + \
                     self._op_attention(ops[i + 2], bufs, rows, prog, write=False)
@@ -526,25 +529,45 @@ class CudaExecutor:
             return 0
         return n if n and _dead_after(ops, i + 1 + n, op["out"]) else 0
 
-    def _op_norm_linears(self, nop, ops, bufs, rows: int, prog: str) -> list:
+    def _swiglu_after(self, ops, j: int, n: int):
+        """The swiglu op that takes the Group ops[j:j + n] into its launch (gemv.Group(pair=True)), or
+        None: exactly a gate and an up of one shape, the next op their swiglu, neither read after it
+        (BLOOMERY_FOLD_SWIGLU on)."""
+        if self.fold_swiglu == "off" or n != 2 or j + 2 >= len(ops):
+            return None
+        sw, g, u = ops[j + 2], ops[j], ops[j + 1]
+        if sw["op"] != "swiglu" or sw["gate"] != g["out"] or sw["up"] != u["out"]:
+            return None
+        if self.w.linear(g["weight"]).out != self.w.linear(u["weight"]).out:
+            return None
+        if any(b != sw["out"] and not _dead_after(ops, j + 3, b) for b in (g["out"], u["out"])):
+            return None
+        return sw
+
+    def _op_norm_linears(self, nop, ops, bufs, rows: int, prog: str, swiglu=None) -> list:
         """An rmsnorm and the linears that read its output, as one launch (gemv.Group with norm=True)."""
         w = self.w.vector(nop["weight"], float(nop.get("offset") or 0.0))
-        return self._op_linear_group(ops, bufs, rows, prog, norm=(w, float(nop["eps"])), x_buf=nop["x"])
+        return self._op_linear_group(ops, bufs, rows, prog, norm=(w, float(nop["eps"])), x_buf=nop["x"],
+                                     swiglu=swiglu)
 
-    def _op_linear_group(self, ops, bufs, rows: int, prog: str, norm=None, x_buf: str | None = None) -> list:
+    def _op_linear_group(self, ops, bufs, rows: int, prog: str, norm=None, x_buf: str | None = None,
+                         swiglu=None) -> list:
         lins = [self.w.linear(op["weight"]) for op in ops]
-        grp = G.Group(lins, norm=norm is not None)
+        grp = G.Group(lins, norm=norm is not None, pair=swiglu is not None)
         one = prog == "verify"
         for lin in lins:
             self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
             if prog == "decode":
                 self.decode_bytes += lin.nbytes
         nw, eps = norm if norm is not None else (None, 0.0)
-        x, ys, steps = bufs[x_buf or ops[0]["x"]], [bufs[op["out"]] for op in ops], []
+        x, steps = bufs[x_buf or ops[0]["x"]], []
+        ys = [bufs[swiglu["out"]]] if swiglu is not None else [bufs[op["out"]] for op in ops]
+        limit = swiglu.get("limit") if swiglu is not None else None
         for g in range(0, rows, GEMV_ROWS):             # more than 8 rows: verify only (_cores_one_launch)
             nb = min(GEMV_ROWS, rows - g)
             self._need.append((grp, nb, one))
-            steps.append(grp.bind(x[g:g + nb], [y[g:g + nb] for y in ys], nb, one, norm_weight=nw, eps=eps))
+            steps.append(grp.bind(x[g:g + nb], [y[g:g + nb] for y in ys], nb, one, norm_weight=nw, eps=eps,
+                                  limit=None if limit is None else float(limit)))
         return steps
 
     @staticmethod

@@ -476,15 +476,15 @@ GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)
 GROUP_MAX = 3
 
 
-def group_name(kind: str, R: int, B: int, U: int, WPC: int = 4, norm: bool = False) -> str:
+def group_name(kind: str, R: int, B: int, U: int, WPC: int = 4, norm: bool = False, pair: bool = False) -> str:
     """The grouped kernel's name expression (up to GROUP_MAX matrices reading one x in one launch;
-    norm: with an RMSNorm of x folded in)."""
-    n = int(norm)
+    norm: with an RMSNorm of x folded in; pair: a gate and an up with the SwiGLU after them)."""
+    n, k = int(norm), "pair" if pair else "g"
     if kind == "nvfp4_ggml":
-        return f"gemv_nvfp4_ggml_g<{R}, {B}, {U}, {n}>"
+        return f"gemv_nvfp4_ggml_{k}<{R}, {B}, {U}, {n}>"
     if kind == "q8_0":
-        return f"gemv_q8_0_g<{R}, {B}, {U}, {n}>"
-    return f"gemv_plain_g<{FMT_ID[kind]}, {R}, {B}, {U}, {WPC}, {n}>"
+        return f"gemv_q8_0_{k}<{R}, {B}, {U}, {n}>"
+    return f"gemv_plain_{k}<{FMT_ID[kind]}, {R}, {B}, {U}, {WPC}, {n}>"
 
 
 class Group:
@@ -494,14 +494,16 @@ class Group:
     config computes them (tests/test_cuda_kernels.py). With `norm`, the launch also folds in the
     RMSNorm whose output the members read: ys = W_m rmsnorm(x) (one member allowed)."""
 
-    def __init__(self, lins, norm: bool = False):
+    def __init__(self, lins, norm: bool = False, pair: bool = False):
         lins = list(lins)
         kinds = {(L.kind, L.inn) for L in lins}
+        if pair and (len(lins) != 2 or lins[0].out != lins[1].out):
+            raise ValueError(f"gemv.Group(pair=True): a gate and an up of one shape, got {[(L.out, L.inn) for L in lins]}")
         if not (1 if norm else 2) <= len(lins) <= GROUP_MAX or len(kinds) != 1 or lins[0].kind not in GROUP_KINDS \
                 or any(L.experts or L.mma or L.config for L in lins):
             raise ValueError(f"gemv.Group: {1 if norm else 2}..{GROUP_MAX} linears of one kernel family and width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
-        self.lins, self.norm = lins, bool(norm)
+        self.lins, self.norm, self.pair = lins, bool(norm), bool(pair)
         self.kind, self.inn = lins[0].kind, lins[0].inn
         self.lead = max(lins, key=lambda L: L.out)
 
@@ -510,12 +512,13 @@ class Group:
 
     def kernel_name(self, nb: int, one: bool = False) -> str:
         c = self.config(nb, one)
-        return group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC, self.norm)
+        return group_name(self.kind, c.R, batch_bucket(nb), c.U, c.WPC, self.norm, self.pair)
 
-    def bind(self, x, ys, nb: int, one: bool = False, norm_weight=None, eps: float = 0.0):
+    def bind(self, x, ys, nb: int, one: bool = False, norm_weight=None, eps: float = 0.0, limit=None):
         """A launch of ys[m][:nb] = W_m x[:nb] for every member m, its arguments fixed now: the returned
         callable does no checks and no allocation (graph capture). one: each row as a 1-row launch.
-        A norm group: ys[m] = W_m (x / sqrt(mean(x^2) + eps) * norm_weight), norm_weight float32 [in]."""
+        A norm group: ys[m] = W_m (x / sqrt(mean(x^2) + eps) * norm_weight), norm_weight float32 [in].
+        A pair: ys = [O], O = silu(W_gate x') * (W_up x') as the swiglu op (limit: its clamp)."""
         if self.norm != (norm_weight is not None) or (self.norm and int(norm_weight.size) != self.inn):
             raise ValueError(f"gemv.Group: norm {self.norm}, a norm weight of {getattr(norm_weight, 'size', None)} "
                              f"values for rows of {self.inn}")
@@ -531,6 +534,13 @@ class Group:
                 i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0),
                 norm_weight if self.norm else x, np.float32(eps))
         grid, block, defines, kern = (sum(ctas),), (c.T,), self.lins[0].defines, []
+        if self.pair:                    # ys: [the SwiGLU's output]; limit: glm5_next's clamp (None: none)
+            g, u = self.lins
+            args = (g.w, u.w, g.s if g.s is not None else g.w, u.s if u.s is not None else u.w,
+                    g.sc if g.sc is not None else x, u.sc if u.sc is not None else x, ys[0], i32(g.out), x,
+                    i32(self.inn), i32(nb), norm_weight if self.norm else x, np.float32(eps),
+                    i32(limit is not None), np.float32(limit or 0.0))
+            grid = (ctas[0],)
 
         def run():                       # compiled at the first run (the executor precompiles its names first)
             if not kern:

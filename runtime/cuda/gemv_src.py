@@ -100,7 +100,7 @@ __device__ __forceinline__ void norm4(float4 &v, const float4 w, float &sq) {
 template <int R, int BMAX, int NORM = 0>
 __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__restrict__ y, const float *rs,
                                              int row0, int out, int nb, int add, const float *sq = nullptr,
-                                             int in = 1, float eps = 0.f) {
+                                             int in = 1, float eps = 0.f, float *ysm = nullptr) {
   __shared__ float red[8][R * BMAX];
   __shared__ float redq[NORM ? 8 : 1][NORM ? BMAX : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -134,6 +134,7 @@ __device__ __forceinline__ void reduce_store(float (&acc)[R][BMAX], float *__res
         for (int w = 0; w < nw; w++) ss += redq[w][b];
         v *= 1.0f / sqrtf(ss / (float)in + eps);
       }
+      if (ysm) { ysm[b * R + r] = v; continue; }      // a pair kernel's first half: kept for the epilogue
       float *p = y + (size_t)b * out + row;
       *p = add ? *p + v : v;
     }
@@ -179,7 +180,7 @@ __device__ __forceinline__ void dequant_word(u32 w, float *v) {
 template <int FMT, int R, int BMAX, int U, int WPC, int NORM = 0>
 __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
                            const float *__restrict__ x, float *__restrict__ y, int out, int in, int nb, int add,
-                           int bx, const float *__restrict__ nw = nullptr, float eps = 0.f) {
+                           int bx, const float *__restrict__ nw = nullptr, float eps = 0.f, float *ysm = nullptr) {
   constexpr int EPW = EPWof<FMT>::v;
   constexpr bool BLOCKED = FMT == FMT_FP8B128 || FMT == FMT_MXFP8 || FMT == FMT_NVFP4S;
   constexpr int SPW = FMT == FMT_NVFP4S ? 2 : FMT == FMT_MXFP8 ? 8 : 32;     // words per block scale
@@ -285,7 +286,7 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
     else if constexpr (FMT == FMT_NVFP4S) rs[r] = __ldg(sc) * 64.0f;
     else rs[r] = 1.0f;
   }
-  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps, ysm);
 }
 
 // ---- GGML NVFP4: rows of in/64 blocks of 36 bytes (4 E4M3 scale bytes, then 4 sub-blocks of 8 bytes;
@@ -294,7 +295,7 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
 template <int R, int BMAX, int U, int NORM = 0>
 __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
                                 float *__restrict__ y, int out, int in, int nb, int add, int bx,
-                                const float *__restrict__ nw = nullptr, float eps = 0.f) {
+                                const float *__restrict__ nw = nullptr, float eps = 0.f, float *ysm = nullptr) {
   const int nblk = in / 64, rowbytes = nblk * 36;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = bx * R;
@@ -358,7 +359,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
   float rs[R];
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = __ldg(sc) * 64.0f;
-  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps, ysm);
 }
 
 // ---- GGML NVFP4 on the tensor cores (batch 1): mma.sync m16n8k16, f16 in, float32 accumulate.
@@ -467,7 +468,8 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restric
 // thread t reads bytes 2+4t..5+4t (two 2-byte loads: blocks are only 2-byte aligned). ----
 template <int R, int BMAX, int U, int NORM = 0>
 __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
-                          int out, int in, int nb, int add, int bx, const float *__restrict__ nw = nullptr, float eps = 0.f) {
+                          int out, int in, int nb, int add, int bx, const float *__restrict__ nw = nullptr, float eps = 0.f,
+                          float *ysm = nullptr) {
   const int nblk = in / 32, rowbytes = nblk * 34;
   const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
   const int row0 = bx * R;
@@ -527,7 +529,7 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
   float rs[R];
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = 1.0f;
-  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps);
+  reduce_store<R, BMAX, NORM>(acc, y, rs, row0, out, nb, add, sq, in, eps, ysm);
 }
 // ---- GGML MXFP4: rows of in/32 blocks of 17 bytes (E8M0 byte, then 16 bytes: byte j = element j low
 // nibble, j+16 high). One warp per row (R warps per CTA), a lane per block; byte loads (blocks are
@@ -654,6 +656,54 @@ __global__ void gemv_q8_0_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1
   if (m == 0) gemv_q8_0_body<R, BMAX, U, NORM>(W0, x, y0, out0, in, nb, add, blockIdx.x, nw, eps);
   else if (m == 1) gemv_q8_0_body<R, BMAX, U, NORM>(W1, x, y1, out1, in, nb, add, blockIdx.x - c1, nw, eps);
   else gemv_q8_0_body<R, BMAX, U, NORM>(W2, x, y2, out2, in, nb, add, blockIdx.x - c2, nw, eps);
+}
+// ---- paired: gate and up (two matrices of one shape reading one x) and the SwiGLU after them in one
+// launch. CTA i computes row block i of the gate, keeps it in shared memory, then the same block of up,
+// and writes silu(gate) * up (swiglu_k's arithmetic; LIM: glm5_next's clamp, swiglu_limit_k's) to O.
+// Each half is the body a Group launch runs for that matrix (same config): the same values bit for
+// bit, so O is what the unfused launches write. NORM as the grouped kernels. ----
+template <int R, int BMAX>
+__device__ __forceinline__ void pair_store(const float (&gu)[2][BMAX * R], float *__restrict__ O, int out, int nb, int lim,
+                                           float L) {
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * BMAX; i += blockDim.x) {
+    const int b = i / R, r = i % R, row = blockIdx.x * R + r;
+    if (row < out && b < nb) {
+      float a = gu[0][i], u = gu[1][i];
+      if (lim) { a = fminf(a, L); u = fminf(fmaxf(u, -L), L); }
+      O[(size_t)b * out + row] = __fmul_rn(a / (1.0f + expf(-a)), u);
+    }
+  }
+}
+template <int FMT, int R, int BMAX, int U, int WPC, int NORM>
+__global__ void gemv_plain_pair(const u32 *__restrict__ W0, const u32 *__restrict__ W1, const void *S0, const void *S1,
+                                const float *sc0, const float *sc1, float *O, int out, const float *__restrict__ x, int in,
+                                int nb, const float *__restrict__ nw, float eps, int lim, float L) {
+  __shared__ float gu[2][BMAX * R];
+  gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W0, S0, sc0, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[0]);
+  __syncthreads();                                   // the first half's reduction is read (one shared scratch)
+  gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W1, S1, sc1, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[1]);
+  pair_store<R, BMAX>(gu, O, out, nb, lim, L);
+}
+template <int R, int BMAX, int U, int NORM>
+__global__ void gemv_nvfp4_ggml_pair(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const void *S0, const void *S1,
+                                     const float *sc0, const float *sc1, float *O, int out, const float *__restrict__ x, int in,
+                                     int nb, const float *__restrict__ nw, float eps, int lim, float L) {
+  __shared__ float gu[2][BMAX * R];
+  gemv_nvfp4_ggml_body<R, BMAX, U, NORM>(W0, sc0, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[0]);
+  __syncthreads();
+  gemv_nvfp4_ggml_body<R, BMAX, U, NORM>(W1, sc1, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[1]);
+  pair_store<R, BMAX>(gu, O, out, nb, lim, L);
+}
+template <int R, int BMAX, int U, int NORM>
+__global__ void gemv_q8_0_pair(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const void *S0, const void *S1,
+                               const float *sc0, const float *sc1, float *O, int out, const float *__restrict__ x, int in,
+                               int nb, const float *__restrict__ nw, float eps, int lim, float L) {
+  __shared__ float gu[2][BMAX * R];
+  gemv_q8_0_body<R, BMAX, U, NORM>(W0, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[0]);
+  __syncthreads();
+  gemv_q8_0_body<R, BMAX, U, NORM>(W1, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[1]);
+  pair_store<R, BMAX>(gu, O, out, nb, lim, L);
 }
 template <int BMAX>
 __global__ void gemv_mxfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
