@@ -36,7 +36,8 @@ def test_cuda_verify_rows_equal_decode_steps(name):
 def test_cuda_verify_rows_past_eight_equal_decode_steps(name):
     """--draft-max 12: the verify program's 13 rows run in launches of up to 8 rows (the GEMV's most);
     each row still the 1-row decode step's bit for bit, through the grouped and norm-folded linears."""
-    verify_rows_equal_decode_steps(Engine(artifact(name), device="cuda", ctx=256, draft_max=12), name)
+    got = verify_rows_equal_decode_steps(Engine(artifact(name), device="cuda", ctx=384, draft_max=12), name, steps=128)
+    assert got["longest"] > 8, f"{name}: no pass compared a row past the eighth: {got}"
 
 
 @pytest.mark.parametrize("name", GATED)

@@ -63,7 +63,7 @@ class Planted:
 def verify_rows_equal_decode_steps(eng, name: str, steps: int = 64) -> dict:
     """Verify passes of planted drafts on `eng`: the logits of every row up to the first rejected one
     equal the plain decode step's logits at that position bit for bit, and the tokens are plain
-    decoding's. Returns the pass counts (tests/test_cuda_speculative.py runs it on the GPU)."""
+    decoding's. Returns the pass counts and the most rows compared in one pass (tests/test_cuda_speculative.py runs it on the GPU)."""
     row = eng.prefill(PROMPT, last_only=True)
     ref, logits = [int(np.argmax(row))], []
     for _ in range(steps):
@@ -74,7 +74,7 @@ def verify_rows_equal_decode_steps(eng, name: str, steps: int = 64) -> dict:
     eng.prefill(PROMPT)
     draft = Planted(ref, eng.vocab_size, seed=len(name))
     draft.extend(PROMPT)
-    n, passes, rejected = 0, 0, 0                    # ref[n] is the next token to feed
+    n, passes, rejected, longest = 0, 0, 0, 0        # ref[n] is the next token to feed
     while n < steps:
         draft.extend([ref[n]])
         d = draft.propose(min(eng.draft_max, steps - n - 1))
@@ -91,9 +91,10 @@ def verify_rows_equal_decode_steps(eng, name: str, steps: int = 64) -> dict:
         draft.extend(d[:a])
         passes += 1
         rejected += a < len(d)
+        longest = max(longest, a + 1)
         n += a + 1
     assert passes < steps and rejected > 5, (passes, rejected)
-    return {"passes": passes, "rejected": rejected}
+    return {"passes": passes, "rejected": rejected, "longest": longest}
 
 
 @pytest.mark.models
