@@ -26,10 +26,13 @@ def supports(H: int, KV: int, D: int) -> str | None:
     return None
 
 
-def splits(KV: int, rows: int, ctx: int, sms: int = 132) -> int:
-    """Context splits of a launch: enough CTAs for two waves on `sms` multiprocessors, each split at
-    least 64 keys of the longest context."""
-    return int(max(1, min(-(-2 * sms // (KV * rows)), -(-ctx // 64))))
+WAVES = 2        # CTAs a multiprocessor the splits aim at (tools/bench_attention.py --waves compares)
+
+
+def splits(KV: int, rows: int, ctx: int, sms: int = 132, waves: int | None = None) -> int:
+    """Context splits of a launch: enough CTAs for `waves` (default WAVES) CTAs on each of `sms`
+    multiprocessors, each split at least 64 keys of the longest context."""
+    return int(max(1, min(-(-(waves or WAVES) * sms // (KV * rows)), -(-ctx // 64))))
 
 
 def smem_bytes(G: int, D: int) -> int:
