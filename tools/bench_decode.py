@@ -177,7 +177,8 @@ def delta_flops(plan: dict, prog: str = "prefill") -> int:
 
 # the per-op-kind profile's tags (the executor's op names, fused launches joined by +) in groups
 OP_GROUPS = {
-    "linear": "linears", "linear+add": "linears", "logits": "head",
+    "linear": "linears", "linear+add": "linears", "logits": "head",     # the executor's fused launches' tags too
+    "rmsnorm+linear": "linears", "rmsnorm+linear+swiglu": "linears", "linear+swiglu": "linears",
     "rope": "attention", "attention": "attention", "rope+rope+attention": "attention",
     "sigmoid_mul": "attention", "bias_add": "attention",
     "causal_conv1d": "delta net", "gated_delta": "delta net", "rmsnorm_gated": "delta net",
