@@ -93,3 +93,58 @@ def test_gemm_captures_into_a_graph():
     np.testing.assert_array_equal(cp.asnumpy(y), first)
     np.testing.assert_allclose(first, cp.asnumpy(x).astype(np.float64) @ W.T, rtol=1e-4,
                                atol=1e-4 * float(np.abs(first).max()))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_tensor", "fp8_channel", "bf16"])
+@pytest.mark.parametrize("shape", [(130, 320), (257, 4096)])
+def test_gemm_split_k_matches_float64(fmt, shape):
+    """BLOOMERY_PREFILL_SPLIT_K: the product as GEMMs over 256-column slices (320 = 256 + 64: a short
+    last slice), summed by the beta = 1 epilogue: the same band against float64 as one GEMM, with and
+    without accumulating into y."""
+    rng = np.random.default_rng(zlib.crc32(repr(("split", fmt, shape)).encode()))
+    W, arrays = artifact(fmt, shape, rng)
+    lin = G.Linear(fmt, shape, {k: cp.asarray(v) for k, v in arrays.items()})
+    stream = cp.cuda.Stream(non_blocking=True)
+    mm = M.Matmul(stream, "bf16x2", split_k=256)
+    for rows, accumulate in ((9, False), (100, True)):
+        x = (rng.standard_normal((rows, shape[1])) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        y0 = rng.standard_normal((rows, shape[0])).astype(np.float32)
+        y = cp.asarray(y0) if accumulate else cp.full((rows, shape[0]), cp.nan, cp.float32)
+        step = mm.bind(lin, cp.asarray(x), y, rows, accumulate)
+        with stream:
+            step()
+        stream.synchronize()
+        got = cp.asnumpy(y).astype(np.float64)
+        xr, Wr = x.astype(np.float64), W
+        ref = xr @ Wr.T + (y0 if accumulate else 0)
+        bound = np.abs(xr) @ np.abs(Wr).T + (np.abs(y0) if accumulate else 0)
+        err = np.abs(got - ref)
+        assert (err <= 2e-5 * bound + 1e-30).all(), f"{fmt} {shape}: worst {np.max(err / (bound + 1e-30)):.2e}"
+    with pytest.raises(ValueError):
+        M.Matmul(stream, "bf16x2", split_k=100)
+
+
+def test_gemm_split_k_bounds_the_truncation_of_a_cancelling_sum():
+    """A sum whose running value grows to ~70 and ends near 0.05 (products of 16 significant bits over
+    six octaves: the case that fails the FP8 teacher-forced check, docs/PERF.md): the whole-depth GEMM's
+    error is the tensor cores' truncating accumulation; slices of 256 summed in float32 must not be
+    worse (tools/emulate_prefill.py's model of the accumulation predicts 4.2e-4 against 2.0e-5)."""
+    rng = np.random.default_rng(7)
+    K, out, rows = 4096, 8, 4
+    h = bf16(np.exp(rng.uniform(-6, 0, (out, K // 2))))
+    W = np.concatenate([h, -h], 1)
+    xh = bf16(np.exp(rng.uniform(-6, 0, (rows, K // 2))))
+    x = np.concatenate([xh, bf16(xh * (1 + rng.uniform(-1e-2, 1e-2, xh.shape)))], 1).astype(np.float32)
+    ref = x.astype(np.float64) @ W.T
+    lin = G.Linear("bf16", (out, K), {"weight": cp.asarray(W.astype(ml_dtypes.bfloat16).view(np.uint16))})
+    stream = cp.cuda.Stream(non_blocking=True)
+    errs = {}
+    for sk in (0, 256):
+        y = cp.zeros((rows, out), cp.float32)
+        step = M.Matmul(stream, "bf16x2", split_k=sk).bind(lin, cp.asarray(x), y, rows)
+        with stream:
+            step()
+        stream.synchronize()
+        errs[sk] = float(np.abs(cp.asnumpy(y) - ref).max())
+    print("max abs error, whole depth / slices of 256:", errs)
+    assert errs[256] <= errs[0], errs

@@ -2,13 +2,16 @@
 rows replaced), to tell the bf16x2 split's error from the device's accumulation error.
 
     python -m bloomery.tools.emulate_prefill ARTIFACT [--accumulate exact|tc] [--kblock 16] [--bits 24]
+        [--split-k K]
 
 Teacher-forces the gate tool's 320 random ids (tools/gpu_gates.py, seed 0) through the NumPy
 executor twice: as it is (float32), and with every prompt-chunk linear computed as the bf16x2
 mode does (activations split into hi + lo BF16, two products summed). --accumulate exact sums
 the products in float64; tc models the tensor cores' float32 accumulation: per k-block of
 --kblock products, the products and the running sum are aligned to the largest of them and
-truncated to --bits significant bits, then the sum is rounded to float32. Prints the relative L2
+truncated to --bits significant bits, then the sum is rounded to float32. --split-k K: each GEMM
+runs over K-deep slices of the inner dimension, their results added in IEEE float32 (what GEMMs
+of depth K with beta = 1 do: lever BLOOMERY_PREFILL_SPLIT_K). Prints the relative L2
 of the emulated logits against the float32 ones per position (max, where, median, p99).
 Slow on purpose (exact per-block arithmetic): ~8 minutes for SmolLM2 with tc on 2 cores.
 """
@@ -41,6 +44,17 @@ def tc_matmul(x: np.ndarray, W: np.ndarray, kblock: int = 16, bits: int = 24) ->
     return acc
 
 
+def split_matmul(x: np.ndarray, W: np.ndarray, split_k: int, kblock: int = 16, bits: int = 24) -> np.ndarray:
+    """tc_matmul over slices of split_k columns, each slice's float32 result added to the running
+    float32 output with round-to-nearest (cuBLAS's beta = 1 epilogue); split_k 0: one slice."""
+    k = x.shape[1]
+    step = split_k or k
+    y = np.zeros((x.shape[0], W.shape[0]), np.float32)
+    for c in range(0, k, step):
+        y = (y + tc_matmul(x[:, c:c + step], W[:, c:c + step], kblock, bits).astype(np.float32)).astype(np.float32)
+    return y.astype(np.float64)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact", type=Path)
@@ -48,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kblock", type=int, default=16)
     ap.add_argument("--bits", type=int, default=24)
     ap.add_argument("--positions", type=int, default=320)
+    ap.add_argument("--split-k", type=int, default=0, help="tc: GEMMs over slices this deep, summed in float32")
     a = ap.parse_args(argv)
     from bloomery.runtime import Engine, logits
     from bloomery.runtime.ops import IMPL
@@ -72,7 +87,7 @@ def main(argv=None) -> int:
         if a.accumulate == "exact":
             y = hi @ W.T + lo @ W.T
         else:
-            y = tc_matmul(hi, W, a.kblock, a.bits) + tc_matmul(lo, W, a.kblock, a.bits)
+            y = split_matmul(hi, W, a.split_k, a.kblock, a.bits) + split_matmul(lo, W, a.split_k, a.kblock, a.bits)
         buf[op["out"]][...] = y.astype(np.float32)
 
     t0 = time.perf_counter()
@@ -83,7 +98,8 @@ def main(argv=None) -> int:
         IMPL["linear"].run = orig
     rel = np.linalg.norm(emu - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
     i = int(np.argmax(rel))
-    print(f"{a.artifact.name}: bf16x2 with {a.accumulate} accumulation vs float32: max rel L2 {rel.max():.2e} at "
+    sk = f", split-k {a.split_k}" if a.split_k and a.accumulate == "tc" else ""
+    print(f"{a.artifact.name}: bf16x2 with {a.accumulate} accumulation{sk} vs float32: max rel L2 {rel.max():.2e} at "
           f"position {i}, median {np.median(rel):.2e}, p99 {np.quantile(rel, 0.99):.2e} "
           f"({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -387,6 +387,7 @@ class CudaExecutor:
     def _read_levers(self) -> None:
         """The environment's kernel choices (specs/levers.yaml) and the device's multiprocessor count."""
         self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
+        self.split_k = int(levers.value("BLOOMERY_PREFILL_SPLIT_K", os.environ))
         self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
         self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
@@ -652,7 +653,7 @@ class CudaExecutor:
             return steps
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
             if self.mm is None:
-                self.mm = M.Matmul(self.stream, self.gemm_mode)
+                self.mm = M.Matmul(self.stream, self.gemm_mode, self.split_k)
             return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)

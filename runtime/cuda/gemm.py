@@ -70,10 +70,15 @@ class Matmul:
     """The executor's prefill GEMM: one cuBLAS handle on its stream, one weight scratch, one
     activation scratch (grown while binding, fixed before the first launch)."""
 
-    def __init__(self, stream, mode: str = "bf16x2"):
+    def __init__(self, stream, mode: str = "bf16x2", split_k: int = 0):
+        """split_k: each product runs as GEMMs over slices of the inner dimension this deep (a multiple
+        of 64), each slice's float32 result added by cuBLAS's beta = 1 epilogue, so the tensor cores'
+        truncating accumulation runs over split_k products at most (0: the whole depth at once)."""
         if mode not in MODES:
             raise ValueError(f"prefill GEMM mode {mode!r}; known: {', '.join(MODES)}")
-        self.mode, self.stream = mode, stream
+        if split_k < 0 or split_k % 64:
+            raise ValueError(f"prefill GEMM split_k {split_k}: 0 or a positive multiple of 64")
+        self.mode, self.stream, self.split_k = mode, stream, int(split_k)
         self.k = kernels()
         self.handle = cublas.create(stream.ptr)
         self.w = cp.empty(0, cp.uint16)
@@ -124,20 +129,26 @@ class Matmul:
         n = rows * inn
         T, N, B16, F32 = cublas.OP_T, cublas.OP_N, cublas.CUDA_R_16BF, cublas.CUDA_R_32F
 
+        step_k = self.split_k if 0 < self.split_k < inn else inn
+        slices = [(c, min(step_k, inn - c)) for c in range(0, inn, step_k)]   # (first column, depth)
+
         def step():
             xhi, xlo = self.xhi, self.xlo
             conv(_grid(n), (256,), (x, xhi, xlo if split else np.uint64(0), np.int64(n)))
             a, alo = deq()
             h = self.handle
-            # y = alpha (W_hi + W_lo)(x_hi + x_lo) (+ y), dropping W_lo x_lo (2^-16 of 2^-16)
-            cublas.gemm_ex(h, T, N, out, rows, inn, alpha, a.data.ptr, B16, inn, xhi.data.ptr, B16, inn, beta,
-                           y.data.ptr, F32, out)
-            if split:
-                cublas.gemm_ex(h, T, N, out, rows, inn, alpha, a.data.ptr, B16, inn, xlo.data.ptr, B16, inn, one,
-                               y.data.ptr, F32, out)
-            if wsplit:
-                cublas.gemm_ex(h, T, N, out, rows, inn, alpha, alo.data.ptr, B16, inn, xhi.data.ptr, B16, inn, one,
-                               y.data.ptr, F32, out)
+            # y = alpha (W_hi + W_lo)(x_hi + x_lo) (+ y), dropping W_lo x_lo (2^-16 of 2^-16); a slice of
+            # columns c..c+k of W and x starts 2c bytes in (BF16), the leading dimensions stay inn
+            for i, (c, k) in enumerate(slices):
+                o = 2 * c
+                cublas.gemm_ex(h, T, N, out, rows, k, alpha, a.data.ptr + o, B16, inn, xhi.data.ptr + o, B16, inn,
+                               beta if i == 0 else one, y.data.ptr, F32, out)
+                if split:
+                    cublas.gemm_ex(h, T, N, out, rows, k, alpha, a.data.ptr + o, B16, inn, xlo.data.ptr + o, B16,
+                                   inn, one, y.data.ptr, F32, out)
+                if wsplit:
+                    cublas.gemm_ex(h, T, N, out, rows, k, alpha, alo.data.ptr + o, B16, inn, xhi.data.ptr + o, B16,
+                                   inn, one, y.data.ptr, F32, out)
         return step
 
     def _dequant(self, lin: G.Linear, wsplit: bool = False):
