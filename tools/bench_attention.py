@@ -49,12 +49,8 @@ def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: 
         return pool.setdefault((key, shp), cp.zeros(shp, dtype))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     S = AD.splits(KV, 1, n, sms, waves)
-    AD.WAVES, saved = waves, AD.WAVES
-    try:
-        steps = [AD.bind(q, c[0], c[1], pos, slot, out, 1, H, KV, D, 1 / np.sqrt(D), take, sms=sms,
-                         cache=(code, code)) for c in caches]
-    finally:
-        AD.WAVES = saved
+    steps = [AD.bind(q, c[0], c[1], pos, slot, out, 1, H, KV, D, 1 / np.sqrt(D), take, sms=sms, cache=(code, code),
+                     waves=waves) for c in caches]
     s = cp.cuda.get_current_stream()
     for f in steps:
         f()

@@ -4,10 +4,10 @@
 // row is read once per row, not once per query head, and a long context fills the GPU. Tiles of 32
 // keys are staged in shared memory by coalesced 16-byte loads (K rows padded: a lane's own key is
 // conflict-free); the next tile's loads are issued into registers before this tile is computed, so
-// the cache read overlaps the arithmetic (1.8x at 32K f32 keys, tools/bench_attention.py), scores are float32 FMAs over d (four chains), softmax online per head (warp w: heads
-// w, w + 4, ...). With S splits each CTA writes (max, sum, acc[D]) per head to `part`; the last CTA
-// of a (kv head, row) to arrive (a counter in `sem`, left at 0) merges them in split order:
-// deterministic. An inactive row (pos < 0) gives zeros.
+// the cache read overlaps the arithmetic (1.8x at 32K f32 keys, tools/bench_attention.py). Scores
+// are float32 FMAs over d (four chains), softmax online per head (warp w: heads w, w + 4, ...). With
+// S splits each CTA writes (max, sum, acc[D]) per head to `part`; the last CTA of a (kv head, row) to
+// arrive (a counter in `sem`, left at 0) merges them in split order: deterministic. An inactive row (pos < 0) gives zeros.
 
 #define NEG_INF __int_as_float(0xff800000u)
 

@@ -47,15 +47,15 @@ def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
-         split_rows: int | None = None, cache=(0, 0)):
+         split_rows: int | None = None, cache=(0, 0), waves: int | None = None):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
-    cache's type codes (ops.CACHE_CODE) of the keys and the values."""
+    cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES)."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
     ctx = int(ck.shape[1])
-    G, S = H // KV, splits(KV, split_rows or rows, ctx, sms)
+    G, S = H // KV, splits(KV, split_rows or rows, ctx, sms, waves)
     kern = cu.kernel("attention_decode", kernel_name(G, D, cache))
     smem = smem_bytes(G, D)
     if smem > 48 * 1024:

@@ -522,25 +522,26 @@ class Group:
         if self.norm != (norm_weight is not None) or (self.norm and int(norm_weight.size) != self.inn):
             raise ValueError(f"gemv.Group: norm {self.norm}, a norm weight of {getattr(norm_weight, 'size', None)} "
                              f"values for rows of {self.inn}")
+        if limit is not None and not self.pair:
+            raise ValueError("gemv.Group: a SwiGLU clamp (limit) for a group that is not a gate / up pair")
         c, name = self.config(nb, one), self.kernel_name(nb, one)
         ctas = [math.ceil(L.out / c.R) for L in self.lins]
-        cuts = [sum(ctas[:i + 1]) for i in range(GROUP_MAX - 1)]     # an unused slot's cut: the grid's end
-        pad = lambda v, fill: list(v) + [fill] * (GROUP_MAX - len(v))  # noqa: E731
         i32 = cp.int32
-        args = (*pad([L.w for L in self.lins], self.lins[0].w),
-                *pad([L.s if L.s is not None else L.w for L in self.lins], self.lins[0].w),
-                *pad([L.sc if L.sc is not None else x for L in self.lins], x),
-                *pad(ys, ys[0]), *pad([i32(L.out) for L in self.lins], i32(0)),
-                i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0),
-                norm_weight if self.norm else x, np.float32(eps))
-        grid, block, defines, kern = (sum(ctas),), (c.T,), self.lins[0].defines, []
+        scales = [L.s if L.s is not None else L.w for L in self.lins]     # the kernels ignore an absent one
+        factors = [L.sc if L.sc is not None else x for L in self.lins]
+        nw = norm_weight if self.norm else x
         if self.pair:                    # ys: [the SwiGLU's output]; limit: glm5_next's clamp (None: none)
-            g, u = self.lins
-            args = (g.w, u.w, g.s if g.s is not None else g.w, u.s if u.s is not None else u.w,
-                    g.sc if g.sc is not None else x, u.sc if u.sc is not None else x, ys[0], i32(g.out), x,
-                    i32(self.inn), i32(nb), norm_weight if self.norm else x, np.float32(eps),
+            (g, u), grid = self.lins, (ctas[0],)
+            args = (g.w, u.w, *scales, *factors, ys[0], i32(g.out), x, i32(self.inn), i32(nb), nw, np.float32(eps),
                     i32(limit is not None), np.float32(limit or 0.0))
-            grid = (ctas[0],)
+        else:
+            cuts = [sum(ctas[:i + 1]) for i in range(GROUP_MAX - 1)]     # an unused slot's cut: the grid's end
+            pad = lambda v, fill: list(v) + [fill] * (GROUP_MAX - len(v))  # noqa: E731
+            grid = (sum(ctas),)
+            args = (*pad([L.w for L in self.lins], self.lins[0].w), *pad(scales, self.lins[0].w), *pad(factors, x),
+                    *pad(ys, ys[0]), *pad([i32(L.out) for L in self.lins], i32(0)),
+                    i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0), nw, np.float32(eps))
+        block, defines, kern = (c.T,), self.lins[0].defines, []
 
         def run():                       # compiled at the first run (the executor precompiles its names first)
             if not kern:

@@ -20,7 +20,9 @@ Dequantization (values exact in float32):
 Block scales multiply a per-block partial sum (one FMA per block and batch row).
 """
 
-SOURCE = r"""
+from .ops_src import SWIGLU
+
+SOURCE = SWIGLU + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -659,7 +661,7 @@ __global__ void gemv_q8_0_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1
 }
 // ---- paired: gate and up (two matrices of one shape reading one x) and the SwiGLU after them in one
 // launch. CTA i computes row block i of the gate, keeps it in shared memory, then the same block of up,
-// and writes silu(gate) * up (swiglu_k's arithmetic; LIM: glm5_next's clamp, swiglu_limit_k's) to O.
+// and writes silu(gate) * up (ops_src.py SWIGLU, the swiglu op's own arithmetic; lim: glm5_next's clamp) to O.
 // Each half is the body a Group launch runs for that matrix (same config): the same values bit for
 // bit, so O is what the unfused launches write. NORM as the grouped kernels. ----
 template <int R, int BMAX>
@@ -668,11 +670,7 @@ __device__ __forceinline__ void pair_store(const float (&gu)[2][BMAX * R], float
   __syncthreads();
   for (int i = threadIdx.x; i < R * BMAX; i += blockDim.x) {
     const int b = i / R, r = i % R, row = blockIdx.x * R + r;
-    if (row < out && b < nb) {
-      float a = gu[0][i], u = gu[1][i];
-      if (lim) { a = fminf(a, L); u = fminf(fmaxf(u, -L), L); }
-      O[(size_t)b * out + row] = __fmul_rn(a / (1.0f + expf(-a)), u);
-    }
+    if (row < out && b < nb) O[(size_t)b * out + row] = lim ? swiglu1_limit(gu[0][i], gu[1][i], L) : swiglu1(gu[0][i], gu[1][i]);
   }
 }
 template <int FMT, int R, int BMAX, int U, int WPC, int NORM>

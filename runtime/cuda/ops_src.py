@@ -7,7 +7,17 @@ CUDA graph serves every step. Linears (and the MoE experts, the router's logits 
 head) are the GEMV kernels of gemv_src.py.
 """
 
-SOURCE = r"""
+# SwiGLU's arithmetic, one owner: the swiglu op's kernels below and the gate / up pair GEMV kernels
+# of gemv_src.py (which fold the op into their launch) both call these, so their values agree bit for bit
+SWIGLU = r"""
+// silu(g) * u, silu(x) = x / (1 + exp(-x)); _limit: glm5_next's clamp, silu(min(g, L)) * clip(u, -L, L)
+__device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(g / (1.0f + expf(-g)), u); }
+__device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
+  return swiglu1(fminf(g, L), fminf(fmaxf(u, -L), L));
+}
+"""
+
+SOURCE = SWIGLU + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -504,19 +514,15 @@ __global__ void attn_select_k(const int *__restrict__ sel, int W, const int *__r
 
 // swiglu: out = silu(gate) * up, silu(x) = x / (1 + exp(-x))
 __global__ void swiglu_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const float a = g[i];
-    out[i] = __fmul_rn(a / (1.0f + expf(-a)), u[i]);
-  }
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    out[i] = swiglu1(g[i], u[i]);
 }
 
 // swiglu with glm5_next's clamp (the op's `limit`): out = silu(min(gate, L)) * clip(up, -L, L)
 __global__ void swiglu_limit_k(const float *__restrict__ g, const float *__restrict__ u, float *__restrict__ out, int n,
                                float L) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    const float a = fminf(g[i], L), b = fminf(fmaxf(u[i], -L), L);
-    out[i] = __fmul_rn(a / (1.0f + expf(-a)), b);
-  }
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    out[i] = swiglu1_limit(g[i], u[i], L);
 }
 
 __global__ void add_k(const float *__restrict__ a, const float *__restrict__ b, float *__restrict__ out, int n) {
