@@ -9,9 +9,10 @@ executor twice: as it is (float32), and with every prompt-chunk linear computed 
 mode does (activations split into hi + lo BF16, two products summed). --accumulate exact sums
 the products in float64; tc models the tensor cores' float32 accumulation: per k-block of
 --kblock products, the products and the running sum are aligned to the largest of them and
-truncated to --bits significant bits, then the sum is rounded to float32. --split-k K: each GEMM
-runs over K-deep slices of the inner dimension, their results added in IEEE float32 (what GEMMs
-of depth K with beta = 1 do: lever BLOOMERY_PREFILL_SPLIT_K). Prints the relative L2
+truncated to --bits significant bits, then the sum is rounded to float32. --split-k K: the hi
+product runs over K-deep slices of the inner dimension, their results added in IEEE float32 (what
+GEMMs of depth K with beta = 1 do: lever BLOOMERY_PREFILL_SPLIT_K), the lo product over the whole
+depth (runtime/cuda/gemm.py). Prints the relative L2
 of the emulated logits against the float32 ones per position (max, where, median, p99).
 Slow on purpose (exact per-block arithmetic): ~8 minutes for SmolLM2 with tc on 2 cores.
 """
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         if a.accumulate == "exact":
             y = hi @ W.T + lo @ W.T
         else:
-            y = split_matmul(hi, W, a.split_k, a.kblock, a.bits) + split_matmul(lo, W, a.split_k, a.kblock, a.bits)
+            y = split_matmul(hi, W, a.split_k, a.kblock, a.bits) + split_matmul(lo, W, 0, a.kblock, a.bits)   # gemm.py: lo whole
         buf[op["out"]][...] = y.astype(np.float32)
 
     t0 = time.perf_counter()

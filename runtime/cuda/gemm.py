@@ -71,9 +71,10 @@ class Matmul:
     activation scratch (grown while binding, fixed before the first launch)."""
 
     def __init__(self, stream, mode: str = "bf16x2", split_k: int = 0):
-        """split_k: each product runs as GEMMs over slices of the inner dimension this deep (a multiple
-        of 64), each slice's float32 result added by cuBLAS's beta = 1 epilogue, so the tensor cores'
-        truncating accumulation runs over split_k products at most (0: the whole depth at once)."""
+        """split_k: the main product (BF16 weight times the activations' hi part) runs as GEMMs over
+        slices of the inner dimension this deep (a multiple of 64), each slice's float32 result added by
+        cuBLAS's beta = 1 epilogue, so the tensor cores' truncating accumulation runs over split_k
+        products at most (0: the whole depth at once). bf16x2's lo products, 2^-8 of it, run whole."""
         if mode not in MODES:
             raise ValueError(f"prefill GEMM mode {mode!r}; known: {', '.join(MODES)}")
         if split_k < 0 or split_k % 64:
@@ -137,18 +138,20 @@ class Matmul:
             conv(_grid(n), (256,), (x, xhi, xlo if split else np.uint64(0), np.int64(n)))
             a, alo = deq()
             h = self.handle
-            # y = alpha (W_hi + W_lo)(x_hi + x_lo) (+ y), dropping W_lo x_lo (2^-16 of 2^-16); a slice of
-            # columns c..c+k of W and x starts 2c bytes in (BF16), the leading dimensions stay inn
+            # y = alpha (W_hi + W_lo)(x_hi + x_lo) (+ y), dropping W_lo x_lo (2^-16 of 2^-16). The W_hi x_hi
+            # product runs over the slices (a slice of columns c..c+k of W and x starts 2c bytes in, BF16;
+            # the leading dimensions stay inn); the lo products, 2^-8 of it, run over the whole depth
+            # once: their truncation errors are 2^-8 of the hi product's
             for i, (c, k) in enumerate(slices):
                 o = 2 * c
                 cublas.gemm_ex(h, T, N, out, rows, k, alpha, a.data.ptr + o, B16, inn, xhi.data.ptr + o, B16, inn,
                                beta if i == 0 else one, y.data.ptr, F32, out)
-                if split:
-                    cublas.gemm_ex(h, T, N, out, rows, k, alpha, a.data.ptr + o, B16, inn, xlo.data.ptr + o, B16,
-                                   inn, one, y.data.ptr, F32, out)
-                if wsplit:
-                    cublas.gemm_ex(h, T, N, out, rows, k, alpha, alo.data.ptr + o, B16, inn, xhi.data.ptr + o, B16,
-                                   inn, one, y.data.ptr, F32, out)
+            if split:
+                cublas.gemm_ex(h, T, N, out, rows, inn, alpha, a.data.ptr, B16, inn, xlo.data.ptr, B16, inn, one,
+                               y.data.ptr, F32, out)
+            if wsplit:
+                cublas.gemm_ex(h, T, N, out, rows, inn, alpha, alo.data.ptr, B16, inn, xhi.data.ptr, B16, inn, one,
+                               y.data.ptr, F32, out)
         return step
 
     def _dequant(self, lin: G.Linear, wsplit: bool = False):
