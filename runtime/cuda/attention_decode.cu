@@ -2,12 +2,14 @@
 // runtime/ops/attention.py without `select`). A CTA takes one (kv head, row, split): the G = H / KV
 // query heads of the kv head over the split's share of the row's keys 0..pos, so each key and value
 // row is read once per row, not once per query head, and a long context fills the GPU. Tiles of 32
-// keys are staged in shared memory by coalesced 16-byte loads (K rows padded: a lane's own key is
-// conflict-free); the next tile's loads are issued into registers before this tile is computed, so
-// the cache read overlaps the arithmetic (1.8x at 32K f32 keys, tools/bench_attention.py). Scores
-// are float32 FMAs over d (four chains), softmax online per head (warp w: heads w, w + 4, ...). With
-// S splits each CTA writes (max, sum, acc[D]) per head to `part`; the last CTA of a (kv head, row) to
-// arrive (a counter in `sem`, left at 0) merges them in split order: deterministic. An inactive row (pos < 0) gives zeros.
+// keys are staged in shared memory by coalesced 16-byte loads; the next tile's loads are issued into
+// registers, as the cache's raw words, before this tile is computed, and decoded to float32 at the
+// shared-memory store, so the cache read overlaps the arithmetic (tools/bench_attention.py). K rows
+// are padded to a stride of an odd number of 16-byte words, so a lane reads its own key 16 bytes at
+// a time without bank conflicts. Scores are float32 FMAs over d (four chains), softmax online per
+// head (warp w: heads w, w + 4, ...). With S splits each CTA writes (max, sum, acc[D]) per head to
+// `part`; the last CTA of a (kv head, row) to arrive (a counter in `sem`, left at 0) merges them in
+// split order: deterministic. An inactive row (pos < 0) gives zeros.
 
 #define NEG_INF __int_as_float(0xff800000u)
 
@@ -29,6 +31,36 @@ template <int CT> __device__ __forceinline__ float4 cache4(const void *p, size_t
   }
 }
 
+// the same four values as raw words (the prefetch keeps these in registers, decoding at the store)
+template <int CT> struct Raw4 { uint2 w; };
+template <> struct Raw4<0> { float4 w; };
+template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t i) {
+  Raw4<CT> r;
+  if constexpr (CT == 0) r.w = *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
+  else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
+  return r;
+}
+template <int CT> __device__ __forceinline__ Raw4<CT> raw4_zero() {
+  Raw4<CT> r;
+  if constexpr (CT == 0) r.w = make_float4(0.f, 0.f, 0.f, 0.f);
+  else r.w = make_uint2(0u, 0u);
+  return r;
+}
+template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
+  if constexpr (CT == 0) {
+    return r.w;
+  } else {
+    const unsigned h[4] = {r.w.x & 0xFFFFu, r.w.x >> 16, r.w.y & 0xFFFFu, r.w.y >> 16};
+    float f[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      if constexpr (CT == 1) f[k] = __uint_as_float(h[k] << 16);
+      else { const unsigned short v = (unsigned short)h[k]; asm("cvt.f32.f16 %0, %1;" : "=f"(f[k]) : "h"(v)); }
+    }
+    return make_float4(f[0], f[1], f[2], f[3]);
+  }
+}
+
 template <int DPL, int HPW, int CK = 0, int CV = 0>
 __global__ void __launch_bounds__(128) attention_decode_k(const float *__restrict__ q, const void *__restrict__ ck,
     const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
@@ -36,7 +68,8 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
   extern __shared__ float sh[];
   __shared__ int last;
   const int kvh = blockIdx.x, r = blockIdx.y, s = blockIdx.z, S = gridDim.z;
-  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, G = H / KV, DP = D + 1;
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, G = H / KV;
+  const int DP = D + ((D >> 2) & 1 ? 8 : 4);        // K row stride: 16-byte rows, DP / 4 odd (conflict-free LDS.128)
   const int p = pos[r];
   if (p < 0) {                                       // inactive: zeros, written once
     if (s == 0)
@@ -58,16 +91,18 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
   }
   const int D4 = D >> 2;                             // float4s a key row (D % 4 == 0)
   constexpr int LPT = 2 * DPL;                        // float4s of a tile's keys (or values) a thread loads, at most
-  float4 kr4[LPT], vr4[LPT];                         // the next tile, loaded while this one is computed
+  Raw4<CK> kr4[LPT];                                 // the next tile, loaded while this one is computed, as
+  Raw4<CV> vr4[LPT];                                 // the cache's raw words (decoded at the store)
   auto fetch = [&](int tb) {
     const int nt = min(32, t1 - tb);
 #pragma unroll
     for (int u = 0; u < LPT; u++) {
       const int i = tid + 128 * u, j = i / D4, d = 4 * (i - j * D4);
-      kr4[u] = vr4[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      kr4[u] = raw4_zero<CK>();
+      vr4[u] = raw4_zero<CV>();
       if (i < 32 * D4 && j < nt) {
-        kr4[u] = cache4<CK>(ck, K + (size_t)(tb + j) * rs + d);
-        vr4[u] = cache4<CV>(cv, V + (size_t)(tb + j) * rs + d);
+        kr4[u] = raw4<CK>(ck, K + (size_t)(tb + j) * rs + d);
+        vr4[u] = raw4<CV>(cv, V + (size_t)(tb + j) * rs + d);
       }
     }
   };
@@ -79,9 +114,8 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
     for (int u = 0; u < LPT; u++) {
       const int i = tid + 128 * u, j = i / D4, d = 4 * (i - j * D4);
       if (i < 32 * D4) {
-        float *kd = Ks + j * DP + d;
-        kd[0] = kr4[u].x; kd[1] = kr4[u].y; kd[2] = kr4[u].z; kd[3] = kr4[u].w;
-        *reinterpret_cast<float4 *>(Vs + j * D + d) = vr4[u];
+        *reinterpret_cast<float4 *>(Ks + j * DP + d) = decode4<CK>(kr4[u]);
+        *reinterpret_cast<float4 *>(Vs + j * D + d) = decode4<CV>(vr4[u]);
       }
     }
     __syncthreads();
@@ -92,11 +126,13 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
       if (h < G) {                                   // warp-uniform
         float sc = NEG_INF;
         if (lane < nt) {
-          const float *qh = Qs + h * D, *kr = Ks + lane * DP;
+          const float4 *qh = reinterpret_cast<const float4 *>(Qs + h * D);   // broadcast
+          const float4 *kr = reinterpret_cast<const float4 *>(Ks + lane * DP);
           float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;     // four chains in flight (D % 4 == 0)
-          for (int i = 0; i < D; i += 4) {
-            d0 = fmaf(qh[i], kr[i], d0); d1 = fmaf(qh[i + 1], kr[i + 1], d1);
-            d2 = fmaf(qh[i + 2], kr[i + 2], d2); d3 = fmaf(qh[i + 3], kr[i + 3], d3);
+          for (int i = 0; i < D4; i++) {                  // two 16-byte shared loads a four FMAs
+            const float4 a = qh[i], b = kr[i];
+            d0 = fmaf(a.x, b.x, d0); d1 = fmaf(a.y, b.y, d1);
+            d2 = fmaf(a.z, b.z, d2); d3 = fmaf(a.w, b.w, d3);
           }
           sc = ((d0 + d1) + (d2 + d3)) * scale;
         }

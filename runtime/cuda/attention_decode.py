@@ -35,8 +35,13 @@ def splits(KV: int, rows: int, ctx: int, sms: int = 132, waves: int | None = Non
     return int(max(1, min(-(-(waves or WAVES) * sms // (KV * rows)), -(-ctx // 64))))
 
 
+def k_stride(D: int) -> int:
+    """The shared K tile's row stride in floats (attention_decode.cu DP): 16-byte rows, DP / 4 odd."""
+    return D + (8 if (D // 4) % 2 else 4)
+
+
 def smem_bytes(G: int, D: int) -> int:
-    return 4 * (G * D + 32 * (D + 1) + 32 * D + G * 32)
+    return 4 * (G * D + 32 * k_stride(D) + 32 * D + G * 32)
 
 
 def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
