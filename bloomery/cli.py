@@ -218,10 +218,15 @@ def _inspect_artifact(path, as_json, rank, tensor_name, decode_to):
         row["elements"] += int(np.prod(t.shape))
         row["bytes"] += t.nbytes
     md = art.metadata(rank)
+    from bloomery.core.artifact import kernels as K
+    rec = K.decode(md[K.KEY], str(path)) if K.KEY in md else None
+    kernels = None if rec is None else {"target": rec.target, "compiler": rec.compiler,
+                                        "names": sorted(rec.kernels)}
     ranks = [{"rank": r, "bytes": art.nbytes(r), "shards": [p.name for p in art.shards[r]]} for r in art.ranks]
     if as_json:
         click.echo(json.dumps({"artifact": str(path), "tp": art.tp, "rank": rank, "ranks": ranks,
-                               "architecture": md.get("general.architecture"), "tensors": rows, "totals": totals},
+                               "architecture": md.get("general.architecture"), "kernels": kernels,
+                               "tensors": rows, "totals": totals},
                               indent=1))
         return
     _table(rows, ("format", "layout", "cut", "shape", "bytes"))
@@ -230,6 +235,9 @@ def _inspect_artifact(path, as_json, rank, tensor_name, decode_to):
     _totals(totals)
     for r in ranks:
         click.echo(f"rank {r['rank']}: {_human(r['bytes'])} in {len(r['shards'])} shard(s)")
+    if kernels:
+        click.echo(f"kernels compiled ahead of time: {kernels['target']} ({kernels['compiler']}): "
+                   f"{', '.join(kernels['names'])}")
 
 
 def _inspect_plan(path, rank, as_json):
@@ -292,8 +300,12 @@ def _levers_text() -> str:
               "BLOOMERY_PREPARE_Q8=1).")
 @click.option("--max-shard-size", default="4GiB", show_default=True, help="Largest GGUF file of a split.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--target", type=click.Choice(["sm_90a"]), default=None,
+              help="Also compile the GPU kernels ahead of time for this target (sm_90a: Hopper, H100 / H200) "
+              "with the CUTLASS DSL (pip install nvidia-cutlass-dsl; no GPU needed) into the artifact; the "
+              "runtime loads them without the DSL (lever BLOOMERY_AOT). Default: none (NVRTC kernels).")
 @refusals
-def prepare(folder, out, tp, keep_bf16, max_shard_size, progress):
+def prepare(folder, out, tp, keep_bf16, max_shard_size, progress, target):
     """Compile the checkpoint FOLDER (as ModelOpt exports it) into an artifact at OUT.
 
     Every weight keeps its stored format (NVFP4, MXFP8, FP8, BF16, ...) and decodes to
@@ -308,17 +320,26 @@ def prepare(folder, out, tp, keep_bf16, max_shard_size, progress):
       bloomery prepare ./SmolLM2-135M-Instruct-NVFP4 ./smollm2.art
       bloomery prepare ./Qwen3-30B-A3B-FP4 ./qwen3.art --tp 2
       BLOOMERY_PREPARE_Q8=1 bloomery prepare ./bf16-model ./q8.art
+      bloomery prepare ./SmolLM2-135M-Instruct-NVFP4 ./smollm2.art --target sm_90a
     """
     import time
 
     from bloomery.compiler.prepare import prepare as run_prepare
 
     t0 = time.perf_counter()
+    if target:
+        click.echo(f"compiling the {target} kernels (CUTLASS DSL) ...", err=True)
     pub = run_prepare(folder, out, tp=tp, keep_bf16=keep_bf16, max_shard_bytes=_parse_size(max_shard_size),
-                      progress=progress)
+                      progress=progress, target=target)
     dt = time.perf_counter() - t0
     click.echo(f"{pub.path}: {len(pub.files)} file(s), {_human(pub.nbytes)}, tp {tp}, {dt:.1f} s "
                f"({pub.nbytes / dt / 1e6:.0f} MB/s)", err=True)
+    if target:
+        from bloomery.core.artifact import kernels as K
+        from bloomery.core.artifact.reader import Artifact
+        rec = K.decode(Artifact.open(pub.path).metadata(0)[K.KEY], str(pub.path))
+        click.echo(f"kernels: {rec.target}, {rec.compiler}: {', '.join(sorted(rec.kernels))} "
+                   f"({sum(len(k.cubin) for k in rec.kernels.values())} B of cubin)", err=True)
 
 
 @main.command()
@@ -450,6 +471,8 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
     load_s = time.perf_counter() - t0
     draft, why = drafts.choose(eng, draft, temperature)
     kv = "/".join(eng.cache_types)
+    if getattr(eng.exec, "aot_line", None):
+        click.echo(eng.exec.aot_line, err=True)
     click.echo(f"draft: {draft} ({why}) | kv cache k/v: {kv} (-ctk/-ctv; "
                f"{'the default: the only type inside the gate bands' if kv == 'f32/f32' else 'as asked'}, "
                f"each type's KL: bloomery levers)", err=True)

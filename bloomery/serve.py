@@ -114,6 +114,8 @@ def load(s: Settings):
             f"{eng.context_length}) | ubatch {eng.ubatch} (-ub) | memory {_mib(mem['weights'])} weights + "
             f"{_mib(mem['state'])} KV/state (-c, -np; KV {'/'.join(eng.cache_types)}: -ctk, -ctv) | draft {s.draft} "
             f"(--draft) | http://{s.host}:{s.port} (--host, --port)")
+    if getattr(eng.exec, "aot_line", None):                # the CUDA executor's kernels (BLOOMERY_AOT)
+        line += f" | {eng.exec.aot_line}"
     return eng, text, line
 
 

@@ -12,6 +12,7 @@ from bloomery.compiler import lower, planning, publish
 from bloomery.compiler.checkpoint import Checkpoint
 from bloomery.compiler.quant_config import read_json
 from bloomery.compiler.writer import DEFAULT_MAX_SHARD_BYTES
+from bloomery.core.artifact import kernels as K
 from bloomery.core.errors import UnreadableJSON
 
 
@@ -63,11 +64,21 @@ def source_metadata(ckpt: Checkpoint) -> dict:
 
 
 def prepare(folder, out, *, tp: int = 1, keep_bf16: bool = False, env: Mapping[str, str] = os.environ,
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool | None = None) -> publish.Published:
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool | None = None,
+            target: str | None = None) -> publish.Published:
+    """target: a GPU target (core/artifact/kernels.TARGETS, e.g. sm_90a) whose kernels are compiled
+    ahead of time with the CUTLASS DSL (compiler/cutedsl) into the artifact; None: none (the
+    runtime's NVRTC kernels)."""
     folder = Path(folder)
+    if target is not None and target not in K.TARGETS:
+        raise K.BadKernelRecord(f"--target {target!r}: known targets {', '.join(K.TARGETS)}")
     ckpt = Checkpoint.open(folder)
     ranks = planning.plan(ckpt, tp=tp, env=env, keep_bf16=keep_bf16)
     lower.plan_metadata(ranks)           # the execution plan, per rank (compiler/lower.py)
     tok_json, template = tokenizer_files(folder)
-    return publish.publish(out, ranks, source_metadata(ckpt), tokenizer_json=tok_json, chat_template=template,
+    md = source_metadata(ckpt)
+    if target is not None:               # before anything is written: a failed compile leaves OUT as it was
+        from bloomery.compiler import cutedsl
+        md[K.KEY] = cutedsl.compile_record(target)
+    return publish.publish(out, ranks, md, tokenizer_json=tok_json, chat_template=template,
                            max_shard_bytes=max_shard_bytes, progress=progress)

@@ -194,6 +194,15 @@ class ArtifactLocked(ArtifactError):
     """Another prepare is publishing to the same output (when asked not to wait)."""
 
 
+class BadKernelRecord(ArtifactError):
+    """An artifact's ahead-of-time kernel record (metadata bloomery.kernels, core/artifact/kernels.py)
+    is damaged or of another version, or a --target is not one bloomery compiles for."""
+
+
+class KernelCompileUnavailable(BloomeryError):
+    """prepare --target cannot compile its kernels here: the CUTLASS DSL is missing, or its compile failed."""
+
+
 class PublishVerifyFailed(ArtifactError):
     """A shard just written does not read back as planned (sizes, checksums, decoded values)."""
 

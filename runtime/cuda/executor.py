@@ -70,6 +70,7 @@ from .. import kv_cache
 from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
 from . import cu
+from . import aot
 from . import attention_decode as AD
 from . import gemm as M
 from . import gemv as G
@@ -293,6 +294,11 @@ class CudaExecutor:
         self.graphs = (os.environ.get("BLOOMERY_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.k = K.kernels()
+        # the artifact's ahead-of-time kernels where they run on this GPU (bloomery prepare --target), and
+        # the start message's line on them
+        cc = cp.cuda.Device().compute_capability
+        self.aot, self.aot_line = aot.load(art.metadata(self.rank), (int(cc[:-1]), int(cc[-1])), os.environ,
+                                           str(art.path))
         # the attention caches' types (-ctk / -ctv; runtime/kv_cache.py): f32, bf16 or f16 on the GPU
         for kind in cache_types:
             if kind not in K.CACHE_CODE:
@@ -653,7 +659,7 @@ class CudaExecutor:
             return steps
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
             if self.mm is None:
-                self.mm = M.Matmul(self.stream, self.gemm_mode, self.split_k)
+                self.mm = M.Matmul(self.stream, self.gemm_mode, self.split_k, aot=self.aot)
             return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)

@@ -70,16 +70,19 @@ class Matmul:
     """The executor's prefill GEMM: one cuBLAS handle on its stream, one weight scratch, one
     activation scratch (grown while binding, fixed before the first launch)."""
 
-    def __init__(self, stream, mode: str = "bf16x2", split_k: int = 0):
+    def __init__(self, stream, mode: str = "bf16x2", split_k: int = 0, aot: dict | None = None):
         """split_k: the main product (BF16 weight times the activations' hi part) runs as GEMMs over
         slices of the inner dimension this deep (a multiple of 64), each slice's float32 result added by
         cuBLAS's beta = 1 epilogue, so the tensor cores' truncating accumulation runs over split_k
-        products at most (0: the whole depth at once). bf16x2's lo products, 2^-8 of it, run whole."""
+        products at most (0: the whole depth at once). bf16x2's lo products, 2^-8 of it, run whole.
+        aot: the artifact's ahead-of-time kernels (runtime/cuda/aot.py); its act_split / act_round
+        replace x_to_bf16_k where present (the same bits, tests/test_cuda_aot.py)."""
         if mode not in MODES:
             raise ValueError(f"prefill GEMM mode {mode!r}; known: {', '.join(MODES)}")
         if split_k < 0 or split_k % 64:
             raise ValueError(f"prefill GEMM split_k {split_k}: 0 or a positive multiple of 64")
         self.mode, self.stream, self.split_k = mode, stream, int(split_k)
+        self.aot = dict(aot or {})
         self.k = kernels()
         self.handle = cublas.create(stream.ptr)
         self.w = cp.empty(0, cp.uint16)
@@ -127,6 +130,7 @@ class Matmul:
         beta = one if accumulate else self._scalar(0.0)
         deq = self._dequant(lin, wsplit)
         conv = self.k["x_to_bf16_k"]
+        fast = self.aot.get("act_split" if split else "act_round")
         n = rows * inn
         T, N, B16, F32 = cublas.OP_T, cublas.OP_N, cublas.CUDA_R_16BF, cublas.CUDA_R_32F
 
@@ -135,7 +139,10 @@ class Matmul:
 
         def step():
             xhi, xlo = self.xhi, self.xlo
-            conv(_grid(n), (256,), (x, xhi, xlo if split else np.uint64(0), np.int64(n)))
+            if fast is not None:                      # act_round leaves its lo argument unused
+                fast(_grid(n), (x, xhi, xlo if split else xhi, np.int64(n)))
+            else:
+                conv(_grid(n), (256,), (x, xhi, xlo if split else np.uint64(0), np.int64(n)))
             a, alo = deq()
             h = self.handle
             # y = alpha (W_hi + W_lo)(x_hi + x_lo) (+ y), dropping W_lo x_lo (2^-16 of 2^-16). The W_hi x_hi

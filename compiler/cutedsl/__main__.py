@@ -1,0 +1,5 @@
+import sys
+
+from bloomery.compiler.cutedsl import main
+
+sys.exit(main())
