@@ -723,6 +723,9 @@ class FakeArtifact:
     def decode(self, name, rank=0):
         return np.ascontiguousarray(self.w[name], np.float32)
 
+    def metadata(self, rank=0):
+        return {}                         # no ahead-of-time kernels (core/artifact/kernels.py): the NVRTC ones
+
 
 def test_executor_graphs_match_numpy(monkeypatch):
     """The mini plan on the CudaExecutor (decode and prefill each captured into one CUDA graph,
