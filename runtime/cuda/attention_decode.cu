@@ -13,37 +13,15 @@
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-// four consecutive cache values from element i (i % 4 == 0), decoded to float32: the KV cache's type
-// CT 0 f32 (one 16-byte load), 1 bf16, 2 f16 (one 8-byte load); ops_src.py cget4 is the same
-template <int CT> __device__ __forceinline__ float4 cache4(const void *p, size_t i) {
-  if constexpr (CT == 0) {
-    return *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
-  } else {
-    const uint2 w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
-    const unsigned h[4] = {w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16};
-    float f[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      if constexpr (CT == 1) f[k] = __uint_as_float(h[k] << 16);
-      else { const unsigned short v = (unsigned short)h[k]; asm("cvt.f32.f16 %0, %1;" : "=f"(f[k]) : "h"(v)); }
-    }
-    return make_float4(f[0], f[1], f[2], f[3]);
-  }
-}
-
-// the same four values as raw words (the prefetch keeps these in registers, decoding at the store)
+// four consecutive cache values from element i (i % 4 == 0) as the KV cache's raw words (type CT 0 f32:
+// one 16-byte load; 1 bf16, 2 f16: one 8-byte load), kept so in registers by the prefetch, and their
+// float32 values (decode4, at the shared-memory store); ops_src.py cget4 decodes the same way
 template <int CT> struct Raw4 { uint2 w; };
 template <> struct Raw4<0> { float4 w; };
 template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t i) {
   Raw4<CT> r;
   if constexpr (CT == 0) r.w = *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
   else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
-  return r;
-}
-template <int CT> __device__ __forceinline__ Raw4<CT> raw4_zero() {
-  Raw4<CT> r;
-  if constexpr (CT == 0) r.w = make_float4(0.f, 0.f, 0.f, 0.f);
-  else r.w = make_uint2(0u, 0u);
   return r;
 }
 template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
@@ -98,8 +76,8 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *__restric
 #pragma unroll
     for (int u = 0; u < LPT; u++) {
       const int i = tid + 128 * u, j = i / D4, d = 4 * (i - j * D4);
-      kr4[u] = raw4_zero<CK>();
-      vr4[u] = raw4_zero<CV>();
+      kr4[u] = Raw4<CK>{};                            // zeros past the tile's keys
+      vr4[u] = Raw4<CV>{};
       if (i < 32 * D4 && j < nt) {
         kr4[u] = raw4<CK>(ck, K + (size_t)(tb + j) * rs + d);
         vr4[u] = raw4<CV>(cv, V + (size_t)(tb + j) * rs + d);
