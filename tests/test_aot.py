@@ -3,6 +3,7 @@ them into the artifact's metadata, the record refuses every damaged part by name
 choice of them says why. Their values on the GPU: tests/test_cuda_aot.py."""
 
 import base64
+import hashlib
 import json
 
 import pytest
@@ -67,7 +68,7 @@ def test_record_refuses_each_damaged_part(record_text):
 
     def resign(e, name, blob):
         e["kernels"][name].update(cubin=base64.b64encode(blob).decode(),
-                                  sha256=__import__("hashlib").sha256(blob).hexdigest())
+                                  sha256=hashlib.sha256(blob).hexdigest())
     bad(lambda e: resign(e, "act_split", cubin[:40]), ["act_split", "ELF"])
     bad(lambda e: resign(e, "act_split", cubin[:18] + b"\x3e\x00" + cubin[20:]), ["act_split", "not CUDA"])
     bad(lambda e: e["kernels"]["act_split"].update(symbol="nope"), ["act_split", "'nope'"])
@@ -92,6 +93,7 @@ def test_prepare_target_carries_the_kernels(tmp_path, record_text):
     assert K.KEY not in Artifact.open(tmp_path / "c").metadata(0)
 
 
+@pytest.mark.models
 def test_prepare_target_refusals(tmp_path, monkeypatch):
     folder = need("tiny-llama/nvfp4")
     r = CliRunner().invoke(main, ["prepare", str(folder), str(tmp_path / "x"), "--target", "sm_80"])

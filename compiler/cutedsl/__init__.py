@@ -14,6 +14,7 @@ MLIR stay out of the compiler's process) and gives the same bytes for the same i
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -59,7 +60,6 @@ def compile_record(target: str, timeout_s: float = 600.0) -> str:
                                      f"(exit {p.returncode}):\n{tail}")
         with open(os.path.join(tmp, RESULT)) as f:
             got = json.load(f)
-    import base64
     ks = [K.Kernel(e["name"], e["symbol"], e["block"], tuple(e["params"]), base64.b64decode(e["cubin"]))
           for e in got]
     return K.encode(target, f"nvidia-cutlass-dsl {ver}", ks)
@@ -87,7 +87,6 @@ def ptx_params(ptx: str, symbol: str) -> list[str]:
 
 def _compile_here(target: str) -> list[dict]:
     """In the child: compile every module's kernels for `target` (the working folder is a temporary one)."""
-    import base64
     import re
 
     import cutlass.cute as cute

@@ -21,6 +21,7 @@ __device__ __forceinline__ u32 bf2(float a, float b) { return f2bf(a) | (f2bf(b)
 
 // x (float32 [n]) -> hi = bf16(x) and, when lo != 0, lo = bf16(x - hi): hi + lo carries 16
 // significant bits of x (the "bf16x2" prefill keeps float32-level activations on the tensor cores).
+// Its CuTe DSL twin, compiled ahead of time into artifacts: compiler/cutedsl/act_split.py (the same bits).
 __global__ void x_to_bf16_k(const float *__restrict__ x, u16 *__restrict__ hi, u16 *__restrict__ lo, long long n) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const float f = x[i];
