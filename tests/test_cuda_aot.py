@@ -44,7 +44,8 @@ def edge_floats(rng, n):
     bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
     special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 1, 0x807FFFFF,
                         0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x4B7FFFFF], np.uint32)   # ties, NaNs, subnormals
-    bits[:special.size] = special
+    k = min(n, special.size)
+    bits[:k] = special[:k]
     return bits.view(np.float32)
 
 

@@ -22,6 +22,10 @@ def build():
     def bf16_bits(b):                                   # float32 bits -> BF16 bits, nearest even
         return (b + Uint32(0x7FFF) + ((b >> 16) & Uint32(1))) >> 16
 
+    def ftz(b):             # float32 bits, a subnormal flushed to a zero of its sign: the NVRTC twin's float
+        nz = (((b >> 23) & Uint32(0xFF)) + Uint32(0xFF)) >> 8            # 0 for a zero exponent, else 1
+        return b & (Uint32(0x80000000) | ((Uint32(0) - nz) & Uint32(0x7FFFFFFF)))
+
     @cute.kernel
     def act_k(x: cute.Pointer, hi: cute.Pointer, lo: cute.Pointer, n: Int64, split: cutlass.Constexpr):
         X, H, L = (cute.make_tensor(p, cute.make_layout(n)) for p in (x, hi, lo))
@@ -30,9 +34,9 @@ def build():
             b = X[i]
             h = bf16_bits(b)
             H[i] = h.to(Uint16)
-            if cutlass.const_expr(split):
-                d = b.bitcast(Float32) - (h << 16).bitcast(Float32)
-                L[i] = bf16_bits(d.bitcast(Uint32)).to(Uint16)
+            if cutlass.const_expr(split):               # as the runtime's NVRTC kernel computes it: CuPy compiles
+                d = ftz(b).bitcast(Float32) - ftz(h << 16).bitcast(Float32)   # with -ftz=true (inputs and
+                L[i] = bf16_bits(ftz(d.bitcast(Uint32))).to(Uint16)          # result of the subtraction flushed)
             i += Int64(cute.arch.grid_dim()[0]) * THREADS
 
     @cute.jit
