@@ -131,6 +131,63 @@ def test_gemv_group_members_equal_their_own_launches(fmt):
         G.Group(lins[:1])
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_tensor", "q8_0", "nvfp4_stored", "mxfp8", "bf16"])
+def test_gemv_pdl_chain_in_a_graph(fmt):
+    """Programmatic dependent launch (runtime/cuda/pdl.py): a captured chain of GEMV launches, each reading
+    the output of the one before (a single linear, a Group of three, a gate / up pair with the SwiGLU, and
+    again, accumulating; 12 times over in one graph, the graph run 3 times), gives the same bits as the chain
+    without it: no launch reads its x or writes its y before the launch before it has finished and its
+    writes are visible (a kernel without griddepcontrol.wait, planted, fails this at once)."""
+    from bloomery.runtime.cuda import pdl
+    if not pdl.enabled({}):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    rng = np.random.default_rng(zlib.crc32(repr(("pdl", fmt)).encode()))
+    f = "nvfp4" if fmt == "nvfp4_stored" else fmt
+    D = 1024
+    mats = [artifact(f, (D, D), rng, stored_nvfp4=fmt == "nvfp4_stored")[1] for _ in range(6)]
+    nw = cp.asarray(rng.uniform(0.5, 1.5, D).astype(np.float32))
+
+    def chain(on):
+        lins = [G.Linear(f, (D, D), {k: cp.asarray(v) for k, v in a.items()}, pdl=on) for a in mats]
+        bufs = [cp.zeros((1, D), cp.float32) for _ in range(6)]
+        x = cp.asarray(np.random.default_rng(1).standard_normal((1, D)).astype(np.float32))
+        grp, pair = G.Group(lins[1:4], norm=False), G.Group(lins[4:6], norm=True, pair=True)
+        steps = [lambda: lins[0].launch(x, bufs[0], 1),
+                 grp.bind(bufs[0], bufs[1:4], 1),
+                 pair.bind(bufs[3], [bufs[4]], 1, norm_weight=nw, eps=1e-5),
+                 lambda: lins[1].launch(bufs[4], bufs[5], 1),
+                 lambda: lins[2].launch(bufs[5], bufs[4], 1, accumulate=True),
+                 lambda: lins[0].launch(bufs[4], bufs[5], 1, accumulate=True)]
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            for st in steps:                               # compile, then capture
+                st()
+            s.synchronize()
+            for b in bufs:
+                b.fill(0)
+            s.begin_capture()
+            for _ in range(12):
+                for st in steps:
+                    st()
+            g = s.end_capture()
+            runs = []
+            for _ in range(3):
+                for b in bufs:
+                    b.fill(0)
+                g.launch(s)
+                s.synchronize()
+                runs.append([cp.asnumpy(b) for b in bufs])
+        return runs
+
+    plain, overlapped = chain(False)[0], chain(True)
+    for r, run in enumerate(overlapped):
+        for i, (a, b) in enumerate(zip(plain, run)):
+            assert np.isfinite(a).all(), f"{fmt}: the chain overflowed (buffer {i}): the test needs smaller values"
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), \
+                f"{fmt}: buffer {i} differs with programmatic dependent launch (graph run {r}: " \
+                f"{int((a != b).sum())} of {a.size} values)"
+
+
 @pytest.mark.parametrize("fmt", FORMATS + ["nvfp4_stored"])
 def test_gemv_group_folds_rmsnorm(fmt):
     """gemv.Group(norm=True): W_m rmsnorm(x) in one launch, against float64 of the norm then the matrix

@@ -39,10 +39,21 @@ template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
   }
 }
 
+// Programmatic dependent launch (runtime/cuda/pdl.py; the same two instructions as ops_src.py GRID_DEP, this
+// file being self-contained): the next kernel may be scheduled at once; nothing is read before the kernel
+// before has finished (q, the cache and the positions are its outputs: plain pointers, not the read-only path).
+__device__ __forceinline__ void grid_dep_entry() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int DPL, int HPW, int CK = 0, int CV = 0>
-__global__ void __launch_bounds__(128) attention_decode_k(const float *__restrict__ q, const void *__restrict__ ck,
-    const void *__restrict__ cv, const int *__restrict__ pos, const int *__restrict__ slot, float *__restrict__ out,
-    float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D, int ctx, float scale) {
+__global__ void __launch_bounds__(128) attention_decode_k(const float *q, const void *ck, const void *cv, const int *pos,
+    const int *slot, float *__restrict__ out, float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D,
+    int ctx, float scale) {
+  grid_dep_entry();
   extern __shared__ float sh[];
   __shared__ int last;
   const int kvh = blockIdx.x, r = blockIdx.y, s = blockIdx.z, S = gridDim.z;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cu
+from . import pdl as PDL
 
 MAX_G = 16                                  # query heads a kv head (4 warps x 4 heads)
 
@@ -52,10 +53,11 @@ def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
-         split_rows: int | None = None, cache=(0, 0), waves: int | None = None):
+         split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
-    cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES)."""
+    cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES);
+    pdl: launched with programmatic dependent launch (runtime/cuda/pdl.py)."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
@@ -69,4 +71,5 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
     sem = pool("attention_decode.sem", (rows * KV,), np.int32)
     args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
             np.float32(scale))
-    return lambda: kern((KV, rows, S), (128,), args, shared_mem=smem)
+    go = PDL.launcher(pdl)
+    return lambda: go(kern, (KV, rows, S), (128,), args, shared_mem=smem)

@@ -74,6 +74,7 @@ from . import aot
 from . import attention_decode as AD
 from . import gemm as M
 from . import gemv as G
+from . import pdl as PDL
 from . import mla_attention as MLA
 from . import moe_router_grouped as MRG
 from . import ops as K
@@ -119,6 +120,7 @@ class DeviceWeights:
         # lever BLOOMERY_UPLOAD: through pinned staging (runtime/cuda/upload.py), or cupy.asarray
         self.up = U.Uploader() if levers.value("BLOOMERY_UPLOAD", os.environ) == "staged" else None
         self.loaded = False              # finish() ran: later uploads land before raw() returns
+        self.pdl = PDL.enabled()         # lever BLOOMERY_PDL: the GEMV launches with programmatic dependent launch
 
     def raw(self, name: str) -> dict:
         """suffix -> device array, the GGUF arrays as they lie in the artifact (input_scale left out)."""
@@ -152,7 +154,7 @@ class DeviceWeights:
             t = self.table[name]
             arrays = {k: v for k, v in self.raw(name).items() if k != "pre_quant_scale"}
             try:
-                self._lin[name] = G.Linear(t.format, t.shape, arrays)
+                self._lin[name] = G.Linear(t.format, t.shape, arrays, pdl=self.pdl)
             except (KeyError, NotImplementedError) as e:
                 raise DeviceUnavailable(f"{self.art.path}: {name} ({t.format} {list(t.shape)}): no CUDA kernel "
                                         f"reads it ({e}); use --device cpu") from None
@@ -399,6 +401,7 @@ class CudaExecutor:
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
+        self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
     # -- binding: each op becomes a list of argument-bound launches --------------------------------
@@ -599,7 +602,8 @@ class CudaExecutor:
                 bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(RD),
                 np.int32(ck.shape[1]))
         grid = K.grid1d(rows * (Hq + Hk) * (D // 2))
-        return [lambda: kern(grid, (256,), args)]
+        go = PDL.launcher(self.pdl_all)
+        return [lambda: go(kern, grid, (256,), args)]
 
     def _precompile(self) -> None:
         """Every GEMV kernel the programs launch, compiled in one NVRTC module (one compile, not one per
@@ -757,7 +761,7 @@ class CudaExecutor:
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         elif sel is None and self.attn_mode == "split" and AD.supports(H, KV, D) is None:
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
-                             split_rows=1 if prog == "verify" else None, cache=codes)
+                             split_rows=1 if prog == "verify" else None, cache=codes, pdl=self.pdl_all)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))

@@ -30,6 +30,7 @@ except Exception:                        # pragma: no cover - depends on the mac
     cp = None
 
 from . import cu
+from . import pdl as PDL
 from .gemv_src import SOURCE
 
 FMT_ID = {"f32": 0, "bf16": 1, "fp8_tensor": 2, "fp8_channel": 3, "fp8_block128": 4, "mxfp8": 5,
@@ -303,7 +304,7 @@ class Linear:
     (docs/kernels.md); kept, tested, for the next iteration."""
 
     def __init__(self, fmt: str, shape, arrays: Mapping, config: Config | None = None, defines=(),
-                 mma: bool = False):
+                 mma: bool = False, pdl: bool = False):
         if cp is None:
             raise RuntimeError("gemv.Linear needs CuPy and a CUDA GPU")
         self.fmt = fmt
@@ -316,6 +317,7 @@ class Linear:
         self.arrays = {k: cp.asarray(v) for k, v in arrays.items()}
         self.config = config
         self.defines = tuple(defines)
+        self.pdl = bool(pdl)                 # launch() with programmatic dependent launch (runtime/cuda/pdl.py)
         w = self.arrays["weight"]
         self.w = w
         self.s = None
@@ -469,7 +471,10 @@ class Linear:
             s = self.s if self.s is not None else self.w     # unused pointer slot
             sc = self.sc if self.sc is not None else x
             args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
-        kern(grid, (c.T,), args)
+        if self.pdl:
+            PDL.launch(kern, grid, (c.T,), args)
+        else:
+            kern(grid, (c.T,), args)
 
 
 GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)
@@ -504,6 +509,7 @@ class Group:
             raise ValueError(f"gemv.Group: {1 if norm else 2}..{GROUP_MAX} linears of one kernel family and width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
         self.lins, self.norm, self.pair = lins, bool(norm), bool(pair)
+        self.pdl = all(L.pdl for L in lins)          # launched with programmatic dependent launch
         self.kind, self.inn = lins[0].kind, lins[0].inn
         self.lead = max(lins, key=lambda L: L.out)
 
@@ -542,11 +548,12 @@ class Group:
                     *pad(ys, ys[0]), *pad([i32(L.out) for L in self.lins], i32(0)),
                     i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0), nw, np.float32(eps))
         block, defines, kern = (c.T,), self.lins[0].defines, []
+        go = PDL.launcher(self.pdl)
 
         def run():                       # compiled at the first run (the executor precompiles its names first)
             if not kern:
                 kern.append(compile_kernels([name], defines)[name])
-            kern[0](grid, block, args)
+            go(kern[0], grid, block, args)
         return run
 
 

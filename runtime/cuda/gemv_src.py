@@ -20,9 +20,9 @@ Dequantization (values exact in float32):
 Block scales multiply a per-block partial sum (one FMA per block and batch row).
 """
 
-from .ops_src import SWIGLU
+from .ops_src import GRID_DEP, SWIGLU
 
-SOURCE = SWIGLU + r"""
+SOURCE = SWIGLU + GRID_DEP + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -64,8 +64,37 @@ __device__ __forceinline__ u32 hi_nib_e4m3(u32 w) {   // high nibbles of w's byt
 __device__ __forceinline__ float e8m0_f(u32 e) {
   return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
 }
+// Activation loads (x, the norm weight). Not the read-only path (ld.global.nc): under programmatic dependent
+// launch (runtime/cuda/pdl.py) the kernel before may still be writing x while this kernel has started, and the
+// read-only path is only defined for data no one writes during the kernel's lifetime. Plain loads after
+// griddepcontrol.wait see its writes. BLOOMERY_X_NC: the read-only path (the loads before 2026-12-02, for
+// timing only); BLOOMERY_X_CG: L2 only.
+#if defined(BLOOMERY_X_NC)
 __device__ __forceinline__ float4 ldx4(const float *p) { return __ldg(reinterpret_cast<const float4 *>(p)); }
 __device__ __forceinline__ float2 ldx2(const float *p) { return __ldg(reinterpret_cast<const float2 *>(p)); }
+__device__ __forceinline__ float ldx1(const float *p) { return __ldg(p); }
+#else
+#if defined(BLOOMERY_X_CG)
+#define BLOOMERY_LDX "ld.global.cg"
+#else
+#define BLOOMERY_LDX "ld.global"
+#endif
+__device__ __forceinline__ float4 ldx4(const float *p) {
+  float4 r;
+  asm volatile(BLOOMERY_LDX ".v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float2 ldx2(const float *p) {
+  float2 r;
+  asm volatile(BLOOMERY_LDX ".v2.f32 {%0,%1}, [%2];" : "=f"(r.x), "=f"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ldx1(const float *p) {
+  float r;
+  asm volatile(BLOOMERY_LDX ".f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+#endif
 
 __device__ __forceinline__ uint4 ldw4(const u32 *p) {
 #ifdef BLOOMERY_NA
@@ -78,6 +107,10 @@ __device__ __forceinline__ uint4 ldw4(const u32 *p) {
 #endif
 }
 
+// Programmatic dependent launch (runtime/cuda/pdl.py; ops_src.py GRID_DEP): a CTA lets the next kernel on the
+// stream be scheduled at once (it may start once every CTA of this grid has), and waits for the kernel before
+// it (its writes visible) before it reads an activation or writes an output; weights, which no kernel writes,
+// may be read before.
 // every row-tiled body starts so: partial sums zeroed, its R rows clamped to the matrix (a CTA past
 // the last row reads the last row again and stores nothing)
 template <int R, int BMAX>
@@ -156,7 +189,7 @@ __device__ __forceinline__ void load_xw(const float *__restrict__ x, int k, int 
   for (int b = 0; b < BMAX; b++) {
     if (b < nb) {
       const float *px = x + (size_t)b * in + k;
-      if constexpr (FMT == FMT_F32) { xw[b][0] = __ldg(px); }
+      if constexpr (FMT == FMT_F32) { xw[b][0] = ldx1(px); }
       else if constexpr (FMT == FMT_BF16) { const float2 v = ldx2(px); xw[b][0] = v.x; xw[b][1] = v.y; }
       else if constexpr (FMT == FMT_NVFP4S) {       // order: elements 0,2,4,6 then 1,3,5,7
         const float4 a = ldx4(px), c = ldx4(px + 4);
@@ -196,6 +229,8 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
 #pragma unroll
   for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
+  grid_dep_launch();                                   // PDL: x and y only after the kernel before
+  grid_dep_wait();
   for (int c0 = threadIdx.x; c0 < nch; c0 += U * blockDim.x) {
     u32 wv[U][R][WPC];
     u32 sv[U][R][NS];
@@ -309,6 +344,13 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
 #pragma unroll
   for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
+  grid_dep_launch();
+#ifdef BLOOMERY_PDL_WAIT_FIRST
+  grid_dep_wait();                                     // (timing variant: wait before any load)
+  bool waited = true;
+#else
+  bool waited = false;
+#endif
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];
     u32 sv[U][R];
@@ -328,6 +370,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
         } else { wv[u][r] = 0u; sv[u][r] = 0u; }
       }
     }
+    if (!waited) { grid_dep_wait(); waited = true; }   // PDL: the first weights are on their way; now x
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int blk = b0 + u * ng;
@@ -343,6 +386,10 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
       }
 #pragma unroll
       for (int r = 0; r < R; r++) {
+#ifdef BLOOMERY_PROBE_LOADS
+        acc[r][0] = __uint_as_float(__float_as_uint(acc[r][0]) ^ wv[u][r] ^ sv[u][r]);   // timing probe: loads only
+        continue;
+#endif
         float lo[4], hi[4];
         const u32 w = wv[u][r];
         e4m3x4(lo_nib_e4m3(w), lo);
@@ -358,6 +405,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
       }
     }
   }
+  if (!waited) grid_dep_wait();
   float rs[R];
 #pragma unroll
   for (int r = 0; r < R; r++) rs[r] = __ldg(sc) * 64.0f;
@@ -482,6 +530,8 @@ __device__ __forceinline__ void gemv_q8_0_body(const u8 *__restrict__ W, const f
 #pragma unroll
   for (int b = 0; b < BMAX; b++) sq[b] = 0.f;
 
+  grid_dep_launch();                                   // PDL: x and y only after the kernel before
+  grid_dep_wait();
   for (int b0 = g; b0 < nblk; b0 += U * ng) {
     u32 wv[U][R];
     u16 dv[U][R];
@@ -543,6 +593,8 @@ __device__ __forceinline__ void gemv_mxfp4_ggml_body(const u8 *__restrict__ W, c
                                                      int out, int in, int nb, int add) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int row = blockIdx.x * nw + warp;
+  grid_dep_launch();                                   // PDL: x and y only after the kernel before
+  grid_dep_wait();
   if (row >= out) return;
   const int nblk = in / 32;
   const u8 *wr = W + (size_t)row * nblk * 17;
@@ -561,8 +613,8 @@ __device__ __forceinline__ void gemv_mxfp4_ggml_body(const u8 *__restrict__ W, c
 #pragma unroll
       for (int b = 0; b < BMAX; b++) if (b < nb) {
         const float *px = x + (size_t)b * in + blk * 32;
-        q[b] = fmaf(lo, __ldg(px + j), q[b]);
-        q[b] = fmaf(hi, __ldg(px + j + 16), q[b]);
+        q[b] = fmaf(lo, ldx1(px + j), q[b]);
+        q[b] = fmaf(hi, ldx1(px + j + 16), q[b]);
       }
     }
 #pragma unroll

@@ -17,7 +17,25 @@ __device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
 }
 """
 
-SOURCE = SWIGLU + r"""
+# Programmatic dependent launch (runtime/cuda/pdl.py), one owner: the kernels launched with it (the decode
+# GEMVs of gemv_src.py, rope_qk_kv_k below, attention_decode.cu's copy) let the next kernel be scheduled,
+# then wait for the kernel before them before they read what it wrote; no-ops in a plain launch. A kernel
+# launched so reads the inputs the kernel before writes through plain pointers (not const __restrict__,
+# which the compiler may turn into the read-only path, undefined for data written while the kernel runs).
+GRID_DEP = r"""
+__device__ __forceinline__ void grid_dep_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+"""
+
+SOURCE = SWIGLU + GRID_DEP + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -132,10 +150,11 @@ __global__ void rope_k(const float *__restrict__ x, float *__restrict__ out, con
 // with partial rotary (RD < D) the others carry the pass-through values RD + 2(i - RD/2) and the one
 // after it (D - RD is even) into the cache unchanged.
 template <int CK, int CV>
-__global__ void rope_qk_kv_k(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
-                             const int *__restrict__ pos, const int *__restrict__ slot, const float *__restrict__ invf,
-                             void *__restrict__ ck, void *__restrict__ cv, int rows, int Hq, int Hk, int D, int RD,
+__global__ void rope_qk_kv_k(float *q, float *k, const float *v, const int *pos, const int *slot,
+                             const float *__restrict__ invf, void *ck, void *cv, int rows, int Hq, int Hk, int D, int RD,
                              int ctx) {
+  grid_dep_launch();                                   // PDL: nothing read before the kernel before is done
+  grid_dep_wait();
   const int half = D / 2, rh2 = RD / 2;
   const int nq = rows * Hq * half, n = nq + rows * Hk * half;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += gridDim.x * blockDim.x) {
