@@ -318,6 +318,7 @@ class Linear:
         self.config = config
         self.defines = tuple(defines)
         self.pdl = bool(pdl)                 # launch() with programmatic dependent launch (runtime/cuda/pdl.py)
+        self._go = PDL.launcher(self.pdl)
         w = self.arrays["weight"]
         self.w = w
         self.s = None
@@ -471,10 +472,7 @@ class Linear:
             s = self.s if self.s is not None else self.w     # unused pointer slot
             sc = self.sc if self.sc is not None else x
             args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
-        if self.pdl:
-            PDL.launch(kern, grid, (c.T,), args)
-        else:
-            kern(grid, (c.T,), args)
+        self._go(kern, grid, (c.T,), args)
 
 
 GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)

@@ -6,8 +6,8 @@ visible) only where its own code says `griddepcontrol.wait`.
     pdl.launch(kern, grid, block, args, shared_mem=0)      # kern: a cupy.RawKernel; args as kern() takes them
 
 The kernels launched through here are written for it (runtime/cuda/ops_src.py GRID_DEP, used by the GEMVs
-of gemv_src.py and by rope_qk_kv_k; attention_decode.cu): each CTA first allows the next kernel to be scheduled (`griddepcontrol.launch_dependents`:
-once every CTA of this grid has started, the next grid's CTAs may take the SM slots this grid's tail
+of gemv_src.py and by rope_qk_kv_k; attention_decode.cu): each CTA first allows the next kernel to be
+scheduled (`griddepcontrol.launch_dependents`: once every CTA of this grid has started, the next grid's CTAs may take the SM slots this grid's tail
 leaves idle), reads what no kernel writes (the weights), then waits before it reads an activation or
 writes an output. So the next kernel's launch, its CTAs' start and its first weight loads overlap this
 kernel's tail, in a CUDA graph too (stream capture keeps the programmatic edge). Launched without the
