@@ -61,3 +61,63 @@ def test_attention_decode_matches_float64(H, KV, D, sms):
     step()
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
+
+
+def to16(x, code):
+    """float32 -> the 16-bit cache's words (1 bf16, 2 f16; round to nearest even) and their exact values."""
+    if code == 2:
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return u, (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("H,KV,D", [(32, 8, 128), (9, 3, 64), (4, 4, 80), (16, 2, 128), (8, 1, 16)],
+                         ids=["llama8b", "smollm2", "mha-d80", "g8", "d16"])
+@pytest.mark.parametrize("cache", [(1, 1), (2, 2), (1, 2)], ids=["bf16", "f16", "bf16-f16"])
+@pytest.mark.parametrize("sms", [132, 1], ids=["split", "one-split"])
+def test_attention_decode_tensor_cores_match_float64(H, KV, D, cache, sms):
+    """The tensor-core form on 16-bit caches: float64 attention over the cache's exact values, within the
+    FMA form's band; a query past f16's range and a tiny one (the f16 path's scaling); a split's last
+    chunk cut anywhere (positions 0, 15, 16, 17, 63, 64, 699)."""
+    assert AD.tc_supports(H, KV, D, cache) is None
+    rng = np.random.default_rng(H * 1000 + KV * 10 + D + sms + 7 * cache[0] + cache[1])
+    slots, ctx = 6, 700
+    kw, kx = to16(rng.standard_normal((slots, ctx, KV, D)).astype(np.float32), cache[0])
+    vw, vx = to16(rng.standard_normal((slots, ctx, KV, D)).astype(np.float32), cache[1])
+    pos = np.array([0, 699, -1, 15, 16, 17, 63, 64, 450], np.int32)
+    slot = np.array([0, 1, 2, 3, 4, 5, 0, 1, 2], np.int32)
+    rows = len(pos)
+    q = (rng.standard_normal((rows, H * D)) * 0.3).astype(np.float32)
+    q[4] *= 3e5                                           # |q| past f16's 65504
+    q[5] *= 1e-6
+    scale = 1.0 / np.sqrt(D)
+    pool = {}
+
+    def take(key, shape, dtype=np.float32):
+        return pool.setdefault((key, shape), cp.zeros(shape, dtype))
+    d = {k: cp.asarray(v) for k, v in dict(q=q, ck=kw, cv=vw, pos=pos, slot=slot).items()}
+    out = cp.full((rows, H * D), cp.nan, cp.float32)
+    step = AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], out, rows, H, KV, D, scale, take, sms=sms,
+                   cache=cache, tc=True)
+    step()
+    got = cp.asnumpy(out)
+    ref = reference(q.astype(np.float64), kx, vx, pos, slot, H, KV, D, scale)
+    assert (got[2] == 0).all(), "an idle row must give zeros"
+    for r in range(rows):
+        err = np.linalg.norm(got[r] - ref[r]) / max(np.linalg.norm(ref[r]), 1e-30)
+        assert err <= 1e-5, (r, int(pos[r]), err)
+    step()
+    assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
+    assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
+
+
+def test_attention_decode_tensor_core_refusals():
+    assert AD.tc_supports(32, 8, 128, (0, 0)) is not None            # float32 cache
+    assert AD.tc_supports(96, 8, 128, (1, 1)) is not None            # 12 query heads a kv head
+    assert AD.tc_supports(16, 2, 256, (1, 1)) is not None            # head_dim 256
+    assert AD.tc_supports(4, 4, 72, (2, 2)) is not None              # head_dim not a multiple of 16
+    with pytest.raises(ValueError, match="tensor cores"):
+        AD.bind(None, cp.zeros((1, 8, 1, 64), cp.float32), None, None, None, None, 1, 4, 1, 64, 1.0, None, tc=True)
+

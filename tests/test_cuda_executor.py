@@ -107,9 +107,10 @@ def test_cuda_cache_types_match_numpy(name, types, monkeypatch):
     """-ctk / -ctv f16, bf16 on the GPU (the attention kernels read the cache in its type, rounded to
     nearest even when written) against the NumPy executor with the same types: prompt chunks (the
     chunk kernel and the GEMV path) and decode steps (split and row kernels) within the band, the
-    same greedy tokens; the cache holds half the bytes."""
+    same greedy tokens; the cache holds half the bytes. split: the tensor-core form where the head
+    shape allows it; split-fma: float32 FMAs."""
     art = artifact(name)
-    for attn in ("split", "row"):
+    for attn in ("split", "split-fma", "row"):
         monkeypatch.setenv("BLOOMERY_DECODE_ATTENTION", attn)
         cu = runtime.Engine(art, device="cuda", ctx=128, ubatch=16, cache_type_k=types[0], cache_type_v=types[1])
         cpu = runtime.Engine(art, device="cpu", ctx=128, ubatch=16, cache_type_k=types[0], cache_type_v=types[1])

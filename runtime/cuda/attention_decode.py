@@ -1,6 +1,8 @@
 """CUDA decode attention split over the context: the contract of runtime/ops/attention.py without
-`select` (attention_decode.cu), for decode programs. The cache write stays the executor's kv_write_k
-(or the fused rope kernel); this is the attend step only.
+`select` (attention_decode.cu), for decode programs: float32 FMAs over the decoded cache
+(attention_decode_k, every cache type), or, for 16-bit caches, the tensor cores over the stored
+values with the query and the probabilities split into 16-bit parts (attention_decode_tc). The cache
+write stays the executor's kv_write_k (or the fused rope kernel); this is the attend step only.
 
     step = attention_decode.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, scale, pool)
     step()          # one launch on the current stream: capturable, no allocation, no host sync
@@ -25,6 +27,28 @@ def supports(H: int, KV: int, D: int) -> str | None:
     if D % 4 or D > 256:
         return f"head_dim {D}: a multiple of 4, at most 256"
     return None
+
+
+TC_MAX_G = 8                                # the tensor-core form: query heads a kv head (the mma's 8 rows)
+TC_STAGES = 2                               # its chunks of 16 keys in flight a warp (tools/bench_attention.py)
+
+
+def tc_supports(H: int, KV: int, D: int, cache=(0, 0)) -> str | None:
+    """None when the tensor-core form (attention_decode_tc) takes this head shape and cache, else why not."""
+    if any(c not in (1, 2) for c in cache):
+        return "a float32 cache (the tensor cores take the 16-bit caches: bf16, f16)"
+    if H % KV or H // KV > TC_MAX_G:
+        return f"heads {H} over kv_heads {KV}: at most {TC_MAX_G} query heads a kv head"
+    if D % 16 or D > 128:
+        return f"head_dim {D}: a multiple of 16, at most 128"
+    return None
+
+
+def tc_smem_bytes(D: int, cache, stages: int = TC_STAGES) -> int:
+    """The query's parts (bf16 keys: 3 parts in 2 A tiles, f16: 2 in 1) and each warp's key / value stages."""
+    rs = D + 8
+    aq = 2 if cache[0] == 1 else 1
+    return 2 * (aq * 16 * rs + 4 * stages * 2 * 16 * rs)
 
 
 WAVES = 2        # CTAs a multiprocessor the splits aim at (tools/bench_attention.py --waves compares)
@@ -53,23 +77,37 @@ def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
-         split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False):
+         split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False,
+         tc: bool | None = None, stages: int = TC_STAGES):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
     cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES);
-    pdl: launched with programmatic dependent launch (runtime/cuda/pdl.py)."""
+    pdl: launched with programmatic dependent launch (runtime/cuda/pdl.py); tc: the tensor-core form
+    (None: wherever tc_supports allows it; True: it or an error; False: the float32 FMA form);
+    stages: the tensor-core form's chunks in flight a warp."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
+    tc_why = tc_supports(H, KV, D, cache)
+    if tc and tc_why:
+        raise ValueError(f"attention_decode (tensor cores): {tc_why}")
+    use_tc = tc_why is None if tc is None else bool(tc)
     ctx = int(ck.shape[1])
     G, S = H // KV, splits(KV, split_rows or rows, ctx, sms, waves)
-    kern = cu.kernel("attention_decode", kernel_name(G, D, cache))
-    smem = smem_bytes(G, D)
+    if use_tc:
+        kern = cu.kernel("attention_decode", f"attention_decode_tc<{D}, {stages}, {cache[0]}, {cache[1]}>")
+        smem = tc_smem_bytes(D, cache, stages)
+    else:
+        kern = cu.kernel("attention_decode", kernel_name(G, D, cache))
+        smem = smem_bytes(G, D)
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem
     part = pool("attention_decode.part", (rows * H * S * (D + 2) if S > 1 else 1,))   # S == 1: unused
     sem = pool("attention_decode.sem", (rows * KV,), np.int32)
-    args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
-            np.float32(scale))
+    if use_tc:
+        args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(ctx), np.float32(scale))
+    else:
+        args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
+                np.float32(scale))
     go = PDL.launcher(pdl)
     return lambda: go(kern, (KV, rows, S), (128,), args, shared_mem=smem)

@@ -759,9 +759,10 @@ class CudaExecutor:
             if sel is not None:
                 cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
-        elif sel is None and self.attn_mode == "split" and AD.supports(H, KV, D) is None:
+        elif sel is None and self.attn_mode in ("split", "split-fma") and AD.supports(H, KV, D) is None:
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
-                             split_rows=1 if prog == "verify" else None, cache=codes, pdl=self.pdl_all)
+                             split_rows=1 if prog == "verify" else None, cache=codes, pdl=self.pdl_all,
+                             tc=False if self.attn_mode == "split-fma" else None)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
