@@ -121,3 +121,36 @@ def test_attention_decode_tensor_core_refusals():
     with pytest.raises(ValueError, match="tensor cores"):
         AD.bind(None, cp.zeros((1, 8, 1, 64), cp.float32), None, None, None, None, 1, 4, 1, 64, 1.0, None, tc=True)
 
+
+
+@pytest.mark.parametrize("cache,tc", [((0, 0), False), ((1, 1), True)], ids=["f32-fma", "bf16-tc"])
+def test_attention_decode_many_splits(cache, tc):
+    """Many splits of a long context: 16 query heads on one kv head at d 64 (f32: 264 splits, more (max, sum)
+    pairs than the FMA kernel's shared memory holds, so its merge takes the one-pass form), d 16 on the
+    tensor cores (the same); against float64, and the same bits twice."""
+    H, KV, D = (16, 1, 64) if not tc else (8, 1, 16)
+    rng = np.random.default_rng(99 + tc)
+    ctx = 20000
+    raw_k = rng.standard_normal((1, ctx, KV, D)).astype(np.float32)
+    raw_v = rng.standard_normal((1, ctx, KV, D)).astype(np.float32)
+    if tc:
+        (kw, kx), (vw, vx) = to16(raw_k, 1), to16(raw_v, 1)
+    else:
+        kw, kx, vw, vx = raw_k, raw_k, raw_v, raw_v
+    pos, slot = np.array([ctx - 1], np.int32), np.array([0], np.int32)
+    q = (rng.standard_normal((1, H * D)) * 0.3).astype(np.float32)
+    pool = {}
+
+    def take(key, shape, dtype=np.float32):
+        return pool.setdefault((key, shape), cp.zeros(shape, dtype))
+    assert AD.splits(KV, 1, ctx) == 264
+    out = cp.full((1, H * D), cp.nan, cp.float32)
+    step = AD.bind(cp.asarray(q), cp.asarray(kw), cp.asarray(vw), cp.asarray(pos), cp.asarray(slot), out, 1, H, KV, D,
+                   1 / np.sqrt(D), take, cache=cache, tc=tc)
+    step()
+    got = cp.asnumpy(out)
+    ref = reference(q.astype(np.float64), kx, vx, pos, slot, H, KV, D, 1 / np.sqrt(D))
+    err = np.linalg.norm(got[0] - ref[0]) / np.linalg.norm(ref[0])
+    assert err <= 1e-5, err
+    step()
+    assert (cp.asnumpy(out) == got).all()

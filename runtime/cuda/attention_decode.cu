@@ -50,9 +50,14 @@ __device__ __forceinline__ void grid_dep_entry() {
 }
 
 // The last CTA of a (kv head, row) to arrive merges the S splits' (max, sum, acc) in `part` in split order
-// (deterministic) into o, the G heads' outputs; every CTA has written its split before it calls this.
+// (deterministic) into o, the G heads' outputs; every CTA has written its split before it calls this. scr: cap
+// floats of the CTA's shared memory, free by then. Where 2 G S + G fit, the merge runs in three passes: every
+// (head, split)'s max and sum loaded at once; a thread a head takes the max, each split's weight
+// exp(max_k - M) (-1: an empty split) and the weighted sum of the sums, in split order; then each output's
+// weighted sum of the accumulators, its S loads independent. The same operations in the same order as the
+// one-pass form below it (kept where the scratch is too small): the same bits.
 __device__ __forceinline__ void merge_splits(const float *part, int *sem, float *o, int r, int kvh, int G, int H,
-                                             int KV, int D, int S) {
+                                             int KV, int D, int S, float *scr, int cap) {
   __shared__ int last;
   const int tid = threadIdx.x, RP = 2 + D;
   __threadfence();
@@ -62,22 +67,54 @@ __device__ __forceinline__ void merge_splits(const float *part, int *sem, float 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int i = tid; i < G * D; i += blockDim.x) {
-    const int h = i / D, d = i - h * D;
-    const float *pp = part + ((size_t)r * H + kvh * G + h) * S * RP;
-    float M = NEG_INF;
-#pragma unroll 8
-    for (int k = 0; k < S; k++) M = fmaxf(M, __ldcg(pp + k * RP));
-    float num = 0.f, den = 0.f;
-#pragma unroll 8
-    for (int k = 0; k < S; k++) {                    // unrolled: the loads in flight together, the sums in order
-      const float mk = __ldcg(pp + k * RP);
-      if (mk == NEG_INF) continue;                   // an empty split
-      const float f = expf(mk - M);
-      num = fmaf(__ldcg(pp + k * RP + 2 + d), f, num);
-      den = fmaf(__ldcg(pp + k * RP + 1), f, den);
+  const float *p0 = part + ((size_t)r * H + kvh * G) * S * RP;     // head h, split k: p0 + (h S + k) RP
+  if (2 * G * S + G <= cap) {
+    float *wk = scr, *lk = scr + G * S, *dh = scr + 2 * G * S;
+    for (int i = tid; i < G * S; i += blockDim.x) { wk[i] = __ldcg(p0 + (size_t)i * RP); lk[i] = __ldcg(p0 + (size_t)i * RP + 1); }
+    __syncthreads();
+    for (int h = tid; h < G; h += blockDim.x) {
+      float M = NEG_INF, den = 0.f;
+      for (int k = 0; k < S; k++) M = fmaxf(M, wk[h * S + k]);
+      for (int k = 0; k < S; k++) {
+        const float mk = wk[h * S + k];
+        if (mk == NEG_INF) { wk[h * S + k] = -1.f; continue; }     // an empty split
+        const float f = expf(mk - M);
+        wk[h * S + k] = f;
+        den = fmaf(lk[h * S + k], f, den);
+      }
+      dh[h] = den;
     }
-    o[h * D + d] = num / den;
+    __syncthreads();
+    for (int i = tid; i < G * D; i += blockDim.x) {
+      const int h = i / D, d = i - h * D;
+      const float *pp = p0 + (size_t)h * S * RP + 2 + d;
+      float num = 0.f;
+#pragma unroll 8
+      for (int k = 0; k < S; k++) {
+        const float f = wk[h * S + k];
+        if (f < 0.f) continue;
+        num = fmaf(__ldcg(pp + (size_t)k * RP), f, num);
+      }
+      o[h * D + d] = num / dh[h];
+    }
+  } else {
+    for (int i = tid; i < G * D; i += blockDim.x) {
+      const int h = i / D, d = i - h * D;
+      const float *pp = p0 + (size_t)h * S * RP;
+      float M = NEG_INF;
+#pragma unroll 8
+      for (int k = 0; k < S; k++) M = fmaxf(M, __ldcg(pp + k * RP));
+      float num = 0.f, den = 0.f;
+#pragma unroll 8
+      for (int k = 0; k < S; k++) {                  // unrolled: the loads in flight together, the sums in order
+        const float mk = __ldcg(pp + k * RP);
+        if (mk == NEG_INF) continue;                 // an empty split
+        const float f = expf(mk - M);
+        num = fmaf(__ldcg(pp + k * RP + 2 + d), f, num);
+        den = fmaf(__ldcg(pp + k * RP + 1), f, den);
+      }
+      o[h * D + d] = num / den;
+    }
   }
   if (tid == 0) sem[ti] = 0;
 }
@@ -213,7 +250,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
       }
     }
   }
-  merge_splits(part, sem, o, r, kvh, G, H, KV, D, S);
+  merge_splits(part, sem, o, r, kvh, G, H, KV, D, S, sh, G * D + 32 * DP + 32 * D + G * 32);   // smem_bytes / 4
 }
 
 // ---- The tensor-core form, for 16-bit caches (CK, CV: 1 bf16, 2 f16), G <= 8 query heads a kv head,
@@ -458,5 +495,6 @@ __global__ void __launch_bounds__(128) attention_decode_tc(const float *q, const
       pp[2 + d] = num;
     }
   }
-  if (S > 1) merge_splits(part, sem, o, r, kvh, G, H, KV, D, S);
+  if (S > 1)                                          // the scratch: all of tc_smem_bytes
+    merge_splits(part, sem, o, r, kvh, G, H, KV, D, S, reinterpret_cast<float *>(sm), (AQ * 16 * RS + 4 * ST * 2 * 16 * RS) / 2);
 }
