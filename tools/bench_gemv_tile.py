@@ -34,7 +34,7 @@ from bloomery.runtime.cuda import gemv as G
 from bloomery.runtime.cuda import gemv_tile as T
 from bloomery.runtime.cuda.bandwidth import copy_bandwidth
 from bloomery.tools.bench_gemv_tc import STACK, Cores
-from bloomery.tools.bench_kernels import LLAMA, copies, log, make_arrays, ref_decode
+from bloomery.tools.bench_kernels import LLAMA, copies, log, make_arrays, ref_decode, time_calls
 
 VARIANTS = [T.TileConfig(P=16), T.TileConfig(min_steps=16), T.TileConfig(P=16, min_steps=32),
             T.TileConfig(warps=1056), T.TileConfig(W=8), T.TileConfig(max_steps=32)]
@@ -52,38 +52,12 @@ class Scratch:
         return T.bind(lins, x, ys, nb, part=self.part, sem=self.sem, pdl=True, cfg=cfg, **kw)
 
 
-def time_calls(calls, est_s, reps=5):
-    """Median seconds per call of a graph of n calls rotating over `calls` (zero-argument launches)."""
-    n = int(min(max(2e-3 / est_s, 10, len(calls)), 1000))
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        for c in calls[:2]:
-            c()
-        s.synchronize()
-        s.begin_capture()
-        for i in range(n):
-            calls[i % len(calls)]()
-        g = s.end_capture()
-    g.upload(s)
-    g.launch(s)
-    s.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
-        g.launch(s)
-        e1.record(s)
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / n)
-    return float(np.median(ts))
-
-
 def alternate(variants: dict, est_s, rounds: int) -> dict:
     """{name: median over rounds of time_calls}, the variants in a rotated order each round."""
     names, got = list(variants), {k: [] for k in variants}
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            got[k].append(time_calls(variants[k], est_s))
+            got[k].append(time_calls(variants[k], est_s)[0])
     return {k: float(np.median(v)) for k, v in got.items()}
 
 

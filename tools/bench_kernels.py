@@ -188,19 +188,19 @@ def check_one(lin, W64, nb, accumulate=False, ref_abs=None, tol=1e-5):
 
 # -- timing ------------------------------------------------------------------------------------
 
-def time_linears(lins, x, y, nb, n=None, reps=5):
-    """Median seconds per launch of a graph of n launches rotating over lins."""
-    est = lins[0].nbytes / 3.5e12 + 3e-6
+def time_calls(calls, est_s, n=None, reps=5):
+    """(median, min, max) seconds per call of a graph of n calls rotating over `calls` (zero-argument
+    launches; n from the estimate est_s seconds a call when not given), over reps replays."""
     if n is None:
-        n = int(min(max(2e-3 / est, 10, len(lins)), 1000))
+        n = int(min(max(2e-3 / est_s, 10, len(calls)), 1000))
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        for L in lins[:2]:
-            L.launch(x, y, nb)                     # compile / warm
+        for c in calls[:2]:
+            c()                                    # compile / warm
         s.synchronize()
         s.begin_capture()
         for i in range(n):
-            lins[i % len(lins)].launch(x, y, nb)
+            calls[i % len(calls)]()
         g = s.end_capture()
     g.upload(s)
     g.launch(s)
@@ -214,6 +214,11 @@ def time_linears(lins, x, y, nb, n=None, reps=5):
         e1.synchronize()
         ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / n)
     return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+
+
+def time_linears(lins, x, y, nb, n=None, reps=5):
+    """time_calls of launches rotating over lins (y[:nb] = W x[:nb])."""
+    return time_calls([lambda L=L: L.launch(x, y, nb) for L in lins], lins[0].nbytes / 3.5e12 + 3e-6, n, reps)
 
 
 def copies(a, nbytes, l2=60e6, factor=4, cap=400):

@@ -114,14 +114,7 @@ __device__ __forceinline__ void tile_step(float (&d)[8][MT][4], const uint4 &w, 
   }
 }
 
-// asynchronous copies global -> shared (cp.async: no registers held while in flight)
-__device__ __forceinline__ void cp16(void *dst, const void *src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp8(void *dst, const void *src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// asynchronous copies global -> shared (cp.async: no registers held while in flight), to a shared address
 __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void cp16s(u32 dst, const void *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
@@ -129,6 +122,9 @@ __device__ __forceinline__ void cp16s(u32 dst, const void *src) {
 __device__ __forceinline__ void cp8s(u32 dst, const void *src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp16(void *dst, const void *src) { cp16s(smem_addr(dst), src); }
+__device__ __forceinline__ void cp8(void *dst, const void *src) { cp8s(smem_addr(dst), src); }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // shared-memory loads that stay after the cp.async wait before them (volatile asm keeps their order)
 __device__ __forceinline__ uint4 lds128(u32 a) {
   uint4 v;
