@@ -478,11 +478,14 @@ def test_attention_select_all_is_the_plain_kernel(H, KV, D, prog):
     """A selection listing every visible position (ascending, as qsa_index writes it below its budget)
     gives bit for bit the output of the attention kernels without select: the same keys in the same
     order through the same arithmetic (the per-row kernel for decode, the prompt-chunk one for prefill).
-    Decode without select is pinned to the per-row kernel (BLOOMERY_DECODE_ATTENTION=row): the default
-    split kernel sums in another order (tests/test_cuda_attention_decode.py checks it)."""
+    Decode without select is pinned to the per-row kernel (BLOOMERY_DECODE_ATTENTION=row) and prefill to
+    the CUDA-core chunk kernel (BLOOMERY_CHUNK_ATTENTION=fma): the defaults (the split kernel, the
+    tensor-core chunk kernel) sum in another order (tests/test_cuda_attention_decode.py and
+    tests/test_cuda_attention_chunk.py check them)."""
     rng = np.random.default_rng(D + H)
     ex = bare({})
     ex.attn_mode = "row"
+    ex.chunk_mode = "fma"
     feeds = list(att_feeds())
     out = {}
     for select in (False, True):

@@ -8,7 +8,14 @@ same run. Compares the split counts (--waves: the CTAs a multiprocessor the spli
 
 Per row: the splits and CTAs, us a launch (median), the bytes it must read (keys and values at the
 cache's type, the query; the output and partials are small), GB/s and % of the copy bandwidth.
-Rounds alternate the --waves settings. Prints a table last."""
+Rounds alternate the --waves settings. Prints a table last.
+
+    python -m bloomery.tools.bench_attention --chunk [--shapes llama3-8b] [--contexts 512 4096] [--rounds 3]
+
+--chunk times the prompt-chunk attention instead (a chunk of n rows at positions 0..n-1 of one slot, the
+whole causal triangle): the CUDA-core kernel (fma) against the tensor-core one (attention_chunk.cu) in its
+variants (keys a tile, register prefetch), alternating, with the useful TFLOP/s (4 x heads x head_dim a
+(row, key) pair) and the largest relative L2 of a (row, head) against the fma kernel's output."""
 
 from __future__ import annotations
 
@@ -74,6 +81,83 @@ def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: 
             "us": t * 1e6, "bytes": nbytes, "gb_s": nbytes / t / 1e9}
 
 
+CHUNK_FORMS = {"fma": None, "tc-bn32-pf": (32, 1), "tc-bn32": (32, 0), "tc-bn64": (64, 0)}
+
+
+def bench_chunk(shape: str, n: int, cache: str, forms, rounds: int, reps: int = 10) -> list:
+    import cupy as cp
+
+    from bloomery.runtime.cuda import attention_chunk as AC
+    from bloomery.runtime.cuda import ops as K
+    H, KV, D = SHAPES[shape]
+    code = K.CACHE_CODE[cache]
+    rng = cp.random.default_rng(n + KV)
+    kv = rng.standard_normal((2, 1, n, KV, D), dtype=cp.float32)
+    if code == 1:
+        kv = (kv.view(cp.uint32) >> 16).astype(cp.uint16)
+    elif code == 2:
+        kv = kv.astype(cp.float16).view(cp.uint16)
+    q = rng.standard_normal((n, H * D), dtype=cp.float32) * 0.3
+    pos, slot = cp.arange(n, dtype=cp.int32), cp.zeros(n, cp.int32)
+    outs, steps = {}, {}
+    for f in forms:
+        outs[f] = cp.empty((n, H * D), cp.float32)
+        if CHUNK_FORMS[f] is None:
+            steps[f] = AC.bind_fma(q, kv[0], kv[1], pos, slot, outs[f], n, H, KV, D, 1 / np.sqrt(D), cache=(code, code))
+        else:
+            bn, pf = CHUNK_FORMS[f]
+            steps[f] = AC.bind(q, kv[0], kv[1], pos, slot, outs[f], n, H, KV, D, 1 / np.sqrt(D), cache=(code, code),
+                               bn=bn, pf=pf)
+        steps[f]()
+    s = cp.cuda.get_current_stream()
+    ts = {f: [] for f in forms}
+    for rnd in range(rounds):
+        for f in (forms if rnd % 2 == 0 else forms[::-1]):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            for _ in range(reps):
+                steps[f]()
+            e1.record(s)
+            e1.synchronize()
+            ts[f].append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps)
+    flops = 4 * H * D * n * (n + 1) / 2
+    ref = outs.get("fma")
+    rows = []
+    for f in forms:
+        t = float(np.median(ts[f]))
+        err = None
+        if ref is not None and f != "fma":
+            a, b = outs[f].reshape(n, H, D), ref.reshape(n, H, D)
+            err = float(cp.max(cp.linalg.norm(a - b, axis=-1) / cp.linalg.norm(b, axis=-1)))
+        rows.append({"shape": shape, "rows": n, "cache": cache, "form": f, "ms": t * 1e3, "tflops": flops / t / 1e12,
+                     "rounds_ms": [x * 1e3 for x in ts[f]], "rel_vs_fma": err})
+    return rows
+
+
+def main_chunk(a) -> int:
+    forms = a.chunk_forms
+    out = []
+    for shape in a.shapes:
+        for n in a.contexts:
+            for cache in a.cache_types:
+                rs = bench_chunk(shape, n, cache, forms, a.rounds)
+                for r in rs:
+                    print(json.dumps(r), flush=True)
+                out += rs
+    print("\n| shape | rows (keys 0..pos) | cache | form | ms (median of rounds) | TFLOP/s | x fma | max rel L2 vs fma |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out:
+        base = next((x["ms"] for x in out if x["form"] == "fma" and x["shape"] == r["shape"] and x["rows"] == r["rows"]
+                     and x["cache"] == r["cache"]), None)
+        sp = f"{base / r['ms']:.2f}" if base else "-"
+        e = f"{r['rel_vs_fma']:.1e}" if r["rel_vs_fma"] is not None else "-"
+        print(f"| {r['shape']} | {r['rows']} | {r['cache']} | {r['form']} | {r['ms']:.3f} | {r['tflops']:.1f} | {sp} | {e} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"rows": out}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=sorted(SHAPES))
@@ -84,8 +168,12 @@ def main(argv=None) -> int:
                     help="fma: float32 FMAs (every cache type); tc, tc3, tc4: the tensor cores (16-bit caches), "
                          "2, 3 or 4 chunks in flight a warp")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", action="store_true", help="time the prompt-chunk attention (--contexts: chunk rows)")
+    ap.add_argument("--chunk-forms", nargs="+", default=list(CHUNK_FORMS), choices=list(CHUNK_FORMS))
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
+    if a.chunk:
+        return main_chunk(a)
     from bloomery.runtime.cuda.bandwidth import copy_bandwidth
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)

@@ -71,6 +71,7 @@ from ..errors import DeviceUnavailable, PlanMismatch
 from ..ops import IMPL as NUMPY_OPS
 from . import cu
 from . import aot
+from . import attention_chunk as AC
 from . import attention_decode as AD
 from . import gemm as M
 from . import gemv as G
@@ -401,6 +402,7 @@ class CudaExecutor:
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
+        self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -752,7 +754,9 @@ class CudaExecutor:
         sel = self._attn_select(op, bufs, rows, ctx) if "select" in op else None   # qwen4_exp's QSA selection
         chunk = (self._attn_chunk(H, KV, D, select=sel is not None, codes=codes) if prog not in ("decode", "verify")
                  else None)
-        if chunk is not None:                 # prompt chunks: keys staged once per (kv head, row block)
+        if chunk is not None and sel is None and self.chunk_mode == "tc" and AC.supports(H, KV, D) is None:
+            attend = AC.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), cache=codes)
+        elif chunk is not None:               # prompt chunks: keys staged once per (kv head, row block)
             kc, rb, csmem = chunk
             cargs = (q, ck, cv, pos, slot, out, np.int32(rows), np.int32(H), np.int32(KV), np.int32(D),
                      np.int32(ctx), np.float32(op["scale"]))
@@ -778,19 +782,8 @@ class CudaExecutor:
         return self.cache_code.get(op["cache_k"], 0), self.cache_code.get(op["cache_v"], 0)
 
     def _attn_chunk(self, H: int, KV: int, D: int, select: bool = False, codes=(0, 0)):
-        """(kernel, rows per CTA, shared bytes) of attn_chunk_k (attn_chunk_sel_k with `select`) for this
-        head shape, or None (the per-row kernel then serves prompt chunks too)."""
-        G = H // KV
-        qpt = 2 if D <= 128 and G <= 64 else 1 if D <= 256 and G <= 32 else 0
-        if not qpt:
-            return None
-        qn = 32 * qpt
-        dpl = next(d for d in (1, 2, 4, 8) if 32 * d >= D)
-        smem = 4 * (qn * (D + 1) + 32 * (D + 1) + 32 * D + qn * 33 + (qn if select else 0))   # + the tile masks
-        kern = K.cache_kernel("attn_chunk_sel_k" if select else "attn_chunk_k", (dpl, qpt), codes)
-        if smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = smem
-        return kern, qn // G, smem
+        """(kernel, rows per CTA, shared bytes) of the CUDA-core chunk kernel, or None (attention_chunk.py)."""
+        return AC.fma_kernel(H, KV, D, select=select, cache=codes)
 
     def _swiglu(self, g, u, out, limit) -> list:
         """out = silu(g) * u over g's elements; with a limit, glm5_next's clamp (swiglu_limit_k)."""
