@@ -752,9 +752,11 @@ class CudaExecutor:
         wargs = (k, v, pos, slot, ck, cv, np.int32(KV * D), np.int32(ctx))
         self.flops[prog]["attention_per_key"] += 4 * H * D       # q.k and p.v for each (row, cached key)
         sel = self._attn_select(op, bufs, rows, ctx) if "select" in op else None   # qwen4_exp's QSA selection
-        chunk = (self._attn_chunk(H, KV, D, select=sel is not None, codes=codes) if prog not in ("decode", "verify")
-                 else None)
-        if chunk is not None and sel is None and self.chunk_mode == "tc" and AC.supports(H, KV, D) is None:
+        prompt = prog not in ("decode", "verify")
+        tc_chunk = prompt and sel is None and self.chunk_mode == "tc" and AC.supports(H, KV, D) is None
+        # the CUDA-core chunk kernel (compiled here) only where the tensor-core one does not serve the chunk
+        chunk = AC.fma_kernel(H, KV, D, select=sel is not None, cache=codes) if prompt and not tc_chunk else None
+        if tc_chunk:
             attend = AC.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), cache=codes)
         elif chunk is not None:               # prompt chunks: keys staged once per (kv head, row block)
             kc, rb, csmem = chunk
@@ -780,10 +782,6 @@ class CudaExecutor:
     def _codes(self, op) -> tuple[int, int]:
         """An attention op's cache type codes (keys, values): ops.CACHE_CODE."""
         return self.cache_code.get(op["cache_k"], 0), self.cache_code.get(op["cache_v"], 0)
-
-    def _attn_chunk(self, H: int, KV: int, D: int, select: bool = False, codes=(0, 0)):
-        """(kernel, rows per CTA, shared bytes) of the CUDA-core chunk kernel, or None (attention_chunk.py)."""
-        return AC.fma_kernel(H, KV, D, select=select, cache=codes)
 
     def _swiglu(self, g, u, out, limit) -> list:
         """out = silu(g) * u over g's elements; with a limit, glm5_next's clamp (swiglu_limit_k)."""
