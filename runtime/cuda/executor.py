@@ -77,6 +77,7 @@ from . import gemm as M
 from . import gemv as G
 from . import pdl as PDL
 from . import mla_attention as MLA
+from . import moe_gemm as MG
 from . import moe_router_grouped as MRG
 from . import ops as K
 from . import qsa_index as QSA
@@ -403,6 +404,7 @@ class CudaExecutor:
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
+        self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -843,15 +845,37 @@ class CudaExecutor:
             steps.append(lambda: sce(grid, (256,), args))
             return dst, 1
 
-        self._need += [(gate, None, False), (up, None, False), (down, None, False)]
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
-        xg, dg = scaled("gate", x, x.shape[-1], k)
-        steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
-        xu, du = scaled("up", x, x.shape[-1], k)
-        steps.append(lambda: up.launch_experts(xu, u, ids, pairs, du))
-        steps += self._swiglu(g, u, g, op.get("limit"))
-        xd, dd = scaled("down", g, inter, 1)
-        steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
+        if self._moe_grouped(prog, rows, (gate, up, down)):
+            # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu)
+            route = MG.Route(pairs, E, alloc=lambda shape: self._scratch(shape, np.int32))
+            parts = 2 if self.gemm_mode == "bf16x2" else 1
+            steps.append(route.bind(ids))
+            halves = {}
+
+            def parted(src):                     # the activations' bf16 parts, split once for the GEMMs reading them
+                if not MG.PRESPLIT:
+                    return src
+                if id(src) not in halves:
+                    halves[id(src)] = self._scratch((parts, *src.shape), np.uint16)
+                    steps.append(MG.split(src, halves[id(src)]))
+                return halves[id(src)]
+            xg, dg = scaled("gate", x, x.shape[-1], k)
+            xu, du = scaled("up", x, x.shape[-1], k)
+            steps.append(MG.bind(gate, parted(xg), g, route, dg, parts))
+            steps.append(MG.bind(up, parted(xu), u, route, du, parts))
+            steps += self._swiglu(g, u, g, op.get("limit"))
+            xd, dd = scaled("down", g, inter, 1)
+            steps.append(MG.bind(down, parted(xd), d, route, dd, parts))
+        else:
+            self._need += [(gate, None, False), (up, None, False), (down, None, False)]
+            xg, dg = scaled("gate", x, x.shape[-1], k)
+            steps.append(lambda: gate.launch_experts(xg, g, ids, pairs, dg))
+            xu, du = scaled("up", x, x.shape[-1], k)
+            steps.append(lambda: up.launch_experts(xu, u, ids, pairs, du))
+            steps += self._swiglu(g, u, g, op.get("limit"))
+            xd, dd = scaled("down", g, inter, 1)
+            steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
         cb = self.k["moe_combine_k"]
         cargs = (d, wts, out, np.int32(rows), np.int32(k), np.int32(hidden), np.int32(acc is not None))
         cgrid = K.grid1d(rows * hidden)
@@ -859,6 +883,13 @@ class CudaExecutor:
         if prog == "decode":
             self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
         return steps
+
+    def _moe_grouped(self, prog: str, rows: int, lins) -> bool:
+        """Whether a moe_experts op of this program runs as grouped GEMMs (moe_gemm.cu): prompt chunks of more
+        than 8 rows (as the dense linears' GEMM), lever BLOOMERY_MOE_GEMM grouped, the tensor-core prefill on,
+        every matrix in a layout the grouped kernel decodes."""
+        return (rows > GEMV_ROWS and prog != "verify" and self.moe_mode == "grouped" and self.gemm_mode != "off"
+                and all(MG.supports(lin) is None for lin in lins))
 
     def _op_moe_router_grouped(self, op, bufs, rows, prog):
         lg, steps = self._router_logits(op, bufs, rows, prog)

@@ -1,0 +1,176 @@
+"""GPU: the routed experts' grouped GEMM (runtime/cuda/moe_gemm.cu) against float64 references built from
+core/formats' own NVFP4 decoder, and against the per-pair expert GEMV it replaces in prefill. Skipped
+(visibly) where CuPy or a CUDA GPU is absent."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy", reason="CuPy is not installed: the CUDA kernel tests need it and a GPU")
+try:
+    _ndev = cp.cuda.runtime.getDeviceCount()
+except Exception as e:                                   # no driver / no device
+    _ndev, _why = 0, f"{type(e).__name__}: {e}"
+else:
+    _why = "no CUDA device"
+if not _ndev:
+    pytest.skip(f"no CUDA GPU ({_why})", allow_module_level=True)
+
+from bloomery.core import formats                        # noqa: E402
+from bloomery.core.artifact import layout                 # noqa: E402
+from bloomery.runtime.cuda import gemv as G               # noqa: E402
+from bloomery.runtime.cuda import moe_gemm as MG          # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Bands against float64, relative to |x| @ |W|^T per element and in L2: two bf16 parts keep 16
+# significant bits of each activation (2^-16 relative), one part 8 (2^-8); the weights are exact.
+BAND = {2: 4e-5, 1: 8e-3}
+
+
+FMTS = {"nvfp4": "scale_2", "fp8_tensor": "scale"}        # format -> its per-tensor factor's array
+
+
+def stacked(E, out, inn, rng, fmt="nvfp4"):
+    """E experts of `fmt` [out, inn] with distinct per-tensor factors: (float64 [E, out, inn], arrays)."""
+    dec, ws, s2 = [], [], []
+    for e in range(E):
+        w = rng.standard_normal((out, inn)).astype(np.float32) * rng.uniform(0.01, 3, (out, 1)).astype(np.float32)
+        parts = formats.get(fmt).encode(w * (e + 1))
+        a = layout.to_gguf(fmt, parts)
+        dec.append(formats.get(fmt).decode(parts).astype(np.float64))
+        ws.append(np.asarray(a["weight"]))
+        s2.append(np.asarray(a[FMTS[fmt]], np.float32).reshape(1))
+    return np.stack(dec), {"weight": np.stack(ws), FMTS[fmt]: np.concatenate(s2)}
+
+
+def run(lin, x, ids, xdiv, parts, bm=None, presplit=False):
+    """presplit: the activations split into bf16 parts by moe_gemm.split first (the executor's form)."""
+    pairs = ids.size
+    y = cp.full((pairs, lin.out), cp.nan, dtype=cp.float32)
+    route = MG.Route(pairs, lin.experts, bm=bm)
+    xd = cp.asarray(x)
+    steps = [route.bind(cp.asarray(ids))]
+    if presplit:
+        xs = cp.full((parts, *x.shape), 0xFFFF, dtype=cp.uint16)       # NaN-poisoned
+        steps.append(MG.split(xd, xs))
+        xd = xs
+    steps.append(MG.bind(lin, xd, y, route, xdiv, parts))
+    for s in steps:
+        s()
+    return cp.asnumpy(y).astype(np.float64), route
+
+
+def check(Wd, x, ids, xdiv, got, parts):
+    E = Wd.shape[0]
+    e = np.clip(ids, 0, E - 1)
+    xs = x.astype(np.float64)[np.arange(ids.size) // xdiv]
+    ref = np.einsum("pk,pnk->pn", xs, Wd[e])
+    bound = np.einsum("pk,pnk->pn", np.abs(xs), np.abs(Wd[e]))
+    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    err = np.abs(got - ref)
+    tol = BAND[parts]
+    assert (err <= tol * bound + 1e-30).all(), f"worst {np.max(err / (bound + 1e-30)):.2e}"
+    assert np.linalg.norm(err) <= tol * np.linalg.norm(bound)
+    return float(np.max(err / (bound + 1e-30)))
+
+
+CASES = [  # E, out, in, rows, top_k, routing
+    (8, 128, 128, 40, 2, "random"),
+    (8, 200, 192, 33, 2, "random"),            # a partial output tile, odd row count
+    (16, 96, 256, 70, 4, "skewed"),            # one expert takes most pairs (several tiles), some none
+    (4, 130, 64, 9, 1, "clamped"),             # ids outside [0, E) clamp as the GEMV kernels clamp them
+    (128, 64, 128, 12, 8, "random"),           # more experts than pairs
+    (8, 256, 512, 300, 2, "one"),              # every pair on one expert: 10 tiles of one expert
+]
+
+
+def routing(kind, rows, k, E, rng):
+    if kind == "random":
+        return np.stack([rng.permutation(E)[:k] for _ in range(rows)]).astype(np.int32).reshape(-1)
+    if kind == "skewed":
+        ids = rng.choice(E, size=(rows, k), p=np.r_[0.7, np.full(E - 1, 0.3 / (E - 1))]).astype(np.int32)
+        ids[:, :] = np.where(np.isin(ids, [3, 5]), 0, ids)         # experts 3 and 5 receive nothing
+        return ids.reshape(-1)
+    if kind == "clamped":
+        return rng.integers(-3, E + 3, rows * k).astype(np.int32)
+    return np.full(rows * k, E - 1, np.int32)
+
+
+@pytest.mark.parametrize("bm", MG.BMS)
+@pytest.mark.parametrize("fmt", list(FMTS))
+@pytest.mark.parametrize("parts", [2, 1])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + "-" + c[5])
+def test_moe_gemm_matches_float64(case, parts, fmt, bm):
+    E, out, inn, rows, k, kind = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    Wd, arrays = stacked(E, out, inn, rng, fmt)
+    lin = G.Linear(fmt, (E, out, inn), arrays)
+    ids = routing(kind, rows, k, E, rng)
+    x = (rng.standard_normal((rows, inn)) * rng.uniform(0.01, 10, (rows, 1))).astype(np.float32)
+    got, route = run(lin, x, ids, k, parts, bm)             # x read per row (xdiv = top_k), as gate / up do
+    check(Wd, x, ids, k, got, parts)
+    # the sort: every pair once, grouped by expert, the tile table covering each expert's pairs
+    perm, tile = cp.asnumpy(route.perm), cp.asnumpy(route.tile)
+    assert sorted(perm.tolist()) == list(range(ids.size))
+    e = np.clip(ids, 0, E - 1)[perm]
+    assert (np.diff(e) >= 0).all()
+    used = tile[0] >= 0
+    assert used.sum() == sum(-(-int((e == j).sum()) // bm) for j in range(E))
+    covered = np.concatenate([np.arange(o, min(o + bm, end)) for o, end in zip(tile[1][used], tile[2][used])])
+    assert sorted(covered.tolist()) == list(range(ids.size))
+    # per pair (xdiv = 1, as down reads its own row): the same rows give the same bits
+    xp = x[np.arange(ids.size) // k]
+    got1, _ = run(lin, xp, ids, 1, parts, bm)
+    assert np.array_equal(got1, got)
+    other = MG.BMS[1 - MG.BMS.index(bm)]                    # a row's bits do not depend on the tile's height
+    assert np.array_equal(run(lin, x, ids, k, parts, other)[0], got)
+    assert np.array_equal(run(lin, x, ids, k, parts, bm, presplit=True)[0], got)   # nor on where x is split
+
+
+def test_moe_gemm_rows_independent_of_their_tile_mates():
+    """A pair's result does not depend on the other pairs routed with it (tile mates, sort order): the
+    same row alone, among others and repeated gives the same bits."""
+    rng = np.random.default_rng(7)
+    E, out, inn = 8, 128, 256
+    Wd, arrays = stacked(E, out, inn, rng)
+    lin = G.Linear("nvfp4", (E, out, inn), arrays)
+    x = rng.standard_normal((100, inn)).astype(np.float32)
+    ids = rng.integers(0, E, 100).astype(np.int32)
+    a, _ = run(lin, x, ids, 1, 2)
+    b, _ = run(lin, x[::-1].copy(), ids[::-1].copy(), 1, 2)
+    assert np.array_equal(a, b[::-1])
+    one, _ = run(lin, x[17:18], ids[17:18], 1, 2)
+    assert np.array_equal(one[0], a[17])
+    for _ in range(3):
+        assert np.array_equal(run(lin, x, ids, 1, 2)[0], a)
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_moe_gemm_near_the_expert_gemv(fmt):
+    """Against the per-pair expert GEMV (float32 throughout) it replaces in prefill: within the bf16x2 band."""
+    rng = np.random.default_rng(11)
+    E, out, inn, rows, k = 16, 384, 512, 64, 4
+    Wd, arrays = stacked(E, out, inn, rng, fmt)
+    lin = G.Linear(fmt, (E, out, inn), arrays)
+    ids = rng.integers(0, E, rows * k).astype(np.int32)
+    x = rng.standard_normal((rows, inn)).astype(np.float32)
+    got, _ = run(lin, x, ids, k, 2)
+    y = cp.zeros((rows * k, out), cp.float32)
+    lin.launch_experts(cp.asarray(x), y, cp.asarray(ids), rows * k, k)
+    ref = cp.asnumpy(y).astype(np.float64)
+    assert np.linalg.norm(got - ref) <= 2e-5 * np.linalg.norm(ref)
+
+
+def test_moe_gemm_refuses_what_it_does_not_decode():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((2 * 64, 128)).astype(np.float32)
+    arrays = layout.to_gguf("mxfp8", formats.get("mxfp8").encode(w))
+    arrays = {k: np.asarray(v).reshape(2, 64, -1) if np.asarray(v).ndim == 2 else v for k, v in arrays.items()}
+    lin = G.Linear("mxfp8", (2, 64, 128), arrays)
+    assert "mxfp8" in MG.supports(lin)
+    with pytest.raises(ValueError, match="moe_gemm: mxfp8 experts"):
+        MG.bind(lin, None, None, MG.Route(4, 2), 1)
