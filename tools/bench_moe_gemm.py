@@ -3,7 +3,7 @@ per-pair expert GEMV it replaces in prefill, on a MoE shape's stacked matrices (
 on the device), checked against each other and timed in the same run (alternating rounds, medians).
 
     python -m bloomery.tools.bench_moe_gemm [--tokens 512 4096] [--rounds 3] [--parts 2 1] [--bms 64 128]
-(each also with the activations split into bf16 parts first, moe_gemm.split: the executor's form when PRESPLIT)
+(each with the activations split in the kernel or first by moe_gemm.split, and one or two shared-memory stages)
 
 Default shape: Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, expert intermediate 768): gate / up
 [128, 768, 2048] read per token (xdiv 8), down [128, 2048, 768] per pair. TFLOP/s counts the useful work
@@ -30,7 +30,9 @@ def random_nvfp4(E: int, out: int, inn: int, rng):
     return {"weight": w.reshape(E, out, nblk * 36), "scale_2": s2}
 
 
-def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5) -> list:
+def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5,
+          forms=((False, 1), (True, 1), (True, 2))) -> list:
+    """forms: (activations split first, shared-memory stages) of each grouped variant timed."""
     import cupy as cp
 
     from bloomery.runtime.cuda import gemv as G
@@ -52,20 +54,20 @@ def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5) 
             xs = cp.zeros((p, *x.shape), cp.uint16)
             sp = MG.split(x, xs)
             for bm in bms:
-                for pre in (False, True):
-                    f = f"grouped x{p} bm{bm}" + (" presplit" if pre else "") + \
-                        (" (rule)" if bm == MG.choose_bm(pairs, E) and pre == MG.PRESPLIT else "")
+                for pre, st in forms:
+                    f = f"grouped x{p} bm{bm}" + (" presplit" if pre else "") + f" st{st}" + \
+                        (" (rule)" if bm == MG.choose_bm(pairs, E) and pre == MG.PRESPLIT and st == MG.STAGES else "")
                     route = MG.Route(pairs, E, bm=bm)
                     ys[f] = cp.zeros((pairs, out), cp.float32)
-                    r, g = route.bind(ids), MG.bind(lin, xs if pre else x, ys[f], route, xdiv, p)
+                    r, g = route.bind(ids), MG.bind(lin, xs if pre else x, ys[f], route, xdiv, p, stages=st)
                     steps[f] = (lambda r=r, g=g, sp=sp if pre else None: (r(), sp and sp(), g()))
         for f in steps:
             steps[f]()
-        forms = list(steps)
+        names = list(steps)
         s = cp.cuda.get_current_stream()
-        ts = {f: [] for f in forms}
+        ts = {f: [] for f in names}
         for rnd in range(rounds):
-            for f in (forms if rnd % 2 == 0 else forms[::-1]):
+            for f in (names if rnd % 2 == 0 else names[::-1]):
                 n = 1 if f == "gemv" else reps
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record(s)
@@ -76,7 +78,7 @@ def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5) 
                 ts[f].append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / n)
         ref = ys["gemv"]
         flops = 2.0 * pairs * out * inn
-        for f in forms:
+        for f in names:
             t = float(np.median(ts[f]))
             err = None if f == "gemv" else float(cp.linalg.norm(ys[f] - ref) / cp.linalg.norm(ref))
             rows.append({"shape": shape, "matrix": name, "out": out, "in": inn, "tokens": tokens, "pairs": pairs,

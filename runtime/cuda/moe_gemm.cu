@@ -117,7 +117,10 @@ constexpr int W_FP8_TENSOR = 1;   // [E][out][in] E4M3 bytes
 // XS 0: x is float32 [nx][in], split into its bf16 parts here (again by every CTA that reads the row); XS 1:
 // x is those parts already, bf16 [PARTS][nx][in] (gemm_src.py x_to_bf16_k, the same rounding), copied as
 // they lie.
-template <int FMT, int PARTS, int WM, int XS>
+// ST 1: one shared-memory stage, two barriers a k-step (the decode of the next step waits for every warp's
+// mmas); ST 2: two stages, the next step decoded into the other while slower warps still read this one, one
+// barrier a k-step. Dynamic shared memory: ST x (PARTS BM + BN) x 64 x 2 bytes (moe_gemm.py smem_bytes).
+template <int FMT, int PARTS, int WM, int XS, int ST>
 __global__ void __launch_bounds__(64 * WM)
 moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst, long long scst,
                  const void *__restrict__ xv_, long long nx, int xdiv, float *__restrict__ y, int out, int in,
@@ -127,8 +130,14 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
   if (e < 0) return;
   constexpr int BM = 32 * WM, NT = 64 * WM;
   const int pos0 = tile_off[t], nrow = min(BM, tile_end[t] - pos0), n0 = blockIdx.x * BN;
-  __shared__ __align__(16) u16 As[PARTS][BM * BK];
-  __shared__ __align__(16) u16 Bs[BN * BK];
+  extern __shared__ __align__(16) u16 smem_g[];
+  constexpr int SS = (PARTS * BM + BN) * BK;          // elements a stage: the x parts, then the weight tile
+  u16 *As[PARTS], *Bs;                                 // the stage being written (store) / read (the mmas)
+  auto stage = [&](int st) {
+#pragma unroll
+    for (int pp = 0; pp < PARTS; pp++) As[pp] = smem_g + st * SS + pp * BM * BK;
+    Bs = smem_g + st * SS + PARTS * BM * BK;
+  };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp % WM, wn = warp / WM;
   const int nblk = in / BK, rowbytes = nblk * 36;
   const u8 *We = W + e * wst;
@@ -238,11 +247,13 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
 #pragma unroll
       for (int c = 0; c < 4; c++) acc[a][b][c] = 0.f;
 
+  stage(0);
   load(0);
   store();
   __syncthreads();
   for (int kb = 0; kb < nblk; kb++) {
     if (kb + 1 < nblk) load(kb + 1);
+    stage(ST == 2 ? kb & 1 : 0);
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ks++) {
       u32 af[PARTS][2][4];
@@ -267,10 +278,18 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
           }
       }
     }
-    __syncthreads();
-    if (kb + 1 < nblk) {
-      store();
+    if constexpr (ST == 2) {
+      if (kb + 1 < nblk) {
+        stage((kb + 1) & 1);       // last read in step kb - 1, which every warp left at the barrier below
+        store();
+      }
       __syncthreads();
+    } else {
+      __syncthreads();
+      if (kb + 1 < nblk) {
+        store();
+        __syncthreads();
+      }
     }
   }
 

@@ -73,10 +73,16 @@ class Route:
 
 
 PRESPLIT = True                       # the activations split into their bf16 parts once, before the GEMMs
+STAGES = 2                            # shared-memory stages of the main loop (moe_gemm.cu ST: 1 or 2)
 
 
-def kernel_name(kind: str, parts: int, bm: int, presplit: bool = False) -> str:
-    return f"moe_gemm_k<{KINDS[kind]}, {int(parts)}, {bm // 32}, {int(bool(presplit))}>"
+def kernel_name(kind: str, parts: int, bm: int, presplit: bool = False, stages: int = STAGES) -> str:
+    return f"moe_gemm_k<{KINDS[kind]}, {int(parts)}, {bm // 32}, {int(bool(presplit))}, {int(stages)}>"
+
+
+def smem_bytes(parts: int, bm: int, stages: int = STAGES) -> int:
+    """A CTA's shared memory: per stage the activations' parts [parts][bm][64] and the weight tile [128][64], bf16."""
+    return stages * (parts * bm + BN) * 64 * 2
 
 
 def split(x, xs):
@@ -93,7 +99,7 @@ def split(x, xs):
     return lambda: kern(grid, (256,), args)
 
 
-def bind(lin, x, y, route: Route, xdiv: int, parts: int = 2):
+def bind(lin, x, y, route: Route, xdiv: int, parts: int = 2, stages: int = STAGES):
     """y[p] = W[ids[p]] x[p // xdiv] (float32 [pairs, out]) as one step, reading route's sort (bind it first, in
     the same program). x: float32 [pairs // xdiv, in], or its bf16 parts (uint16 [parts, pairs // xdiv, in],
     split's output)."""
@@ -105,10 +111,15 @@ def bind(lin, x, y, route: Route, xdiv: int, parts: int = 2):
     pre = x.dtype == np.uint16
     if pre and (x.ndim != 3 or x.shape[0] != parts):
         raise ValueError(f"moe_gemm: split activations {tuple(x.shape)}, [{parts}, rows, in] expected")
-    kern = cu.kernel("moe_gemm", kernel_name(lin.kind, parts, route.bm, pre))
+    if stages not in (1, 2):
+        raise ValueError(f"moe_gemm: stages {stages}: 1 or 2")
+    kern = cu.kernel("moe_gemm", kernel_name(lin.kind, parts, route.bm, pre, stages))
+    smem = smem_bytes(parts, route.bm, stages)
+    if smem > 48 * 1024:
+        kern.max_dynamic_shared_size_bytes = smem
     i32, i64 = np.int32, np.int64
     wst = int(lin.w.nbytes) // lin.experts                 # bytes an expert
     args = (lin.w, lin.sc, i64(wst), i64(lin.scst), x, i64(x.shape[-2]), i32(xdiv), y, i32(lin.out), i32(lin.inn),
             route.perm, route.tile[0], route.tile[1], route.tile[2])
     grid = (-(-lin.out // BN), route.ntiles)
-    return lambda: kern(grid, (2 * route.bm,), args)
+    return lambda: kern(grid, (2 * route.bm,), args, shared_mem=smem)
