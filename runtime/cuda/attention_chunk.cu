@@ -23,6 +23,8 @@
 // a key t counts for a query vector when t <= its row's position). A row with pos < 0 gives zeros; a row
 // of another slot than the CTA's first active row gets NaN (the chunk kernel's contract), never its keys.
 
+#include "numerics.cuh"
+
 #define NEG_INF __int_as_float(0xff800000u)
 
 __device__ __forceinline__ void grid_dep_entry() {
@@ -32,46 +34,13 @@ __device__ __forceinline__ void grid_dep_entry() {
 #endif
 }
 
-// (lo, hi) -> a packed bf16 pair, each rounded to nearest even
-__device__ __forceinline__ unsigned bf2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ float bflo(unsigned v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bfhi(unsigned v) { return __uint_as_float(v & 0xFFFF0000u); }
 // (x0, x1) as two packed bf16 pairs: part 0 the rounding of x, part 1 of what part 0 leaves
 __device__ __forceinline__ void split2(float x0, float x1, unsigned &p0, unsigned &p1) {
-  p0 = bf2(x0, x1);
-  p1 = bf2(x0 - bflo(p0), x1 - bfhi(p0));
+  p0 = bf16x2_rn(x0, x1);
+  p1 = bf16x2_rn(x0 - bflo(p0), x1 - bfhi(p0));
 }
 
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
-                 "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void *p) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const void *p) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
 
-// four consecutive cache values as stored (CT 0 f32: 16 bytes; 1 bf16, 2 f16: 8 bytes)
-template <int CT> struct Raw4 { uint2 w; };
-template <> struct Raw4<0> { float4 w; };
-template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t i) {
-  Raw4<CT> r;
-  if constexpr (CT == 0) r.w = *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
-  else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
-  return r;
-}
 __device__ __forceinline__ float f16f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 // four cache values stored as their parts: part 0 at dst[0..3], part 1 (CT != 1) at dst1[0..3]
 template <int CT> __device__ __forceinline__ void store_parts(const Raw4<CT> &r, unsigned short *dst0, unsigned short *dst1) {

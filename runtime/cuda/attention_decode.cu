@@ -11,19 +11,13 @@
 // `part`; the last CTA of a (kv head, row) to arrive (a counter in `sem`, left at 0) merges them in
 // split order: deterministic. An inactive row (pos < 0) gives zeros.
 
+#include "numerics.cuh"
+
 #define NEG_INF __int_as_float(0xff800000u)
 
-// four consecutive cache values from element i (i % 4 == 0) as the KV cache's raw words (type CT 0 f32:
-// one 16-byte load; 1 bf16, 2 f16: one 8-byte load), kept so in registers by the prefetch, and their
-// float32 values (decode4, at the shared-memory store); ops_src.py cget4 decodes the same way
-template <int CT> struct Raw4 { uint2 w; };
-template <> struct Raw4<0> { float4 w; };
-template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t i) {
-  Raw4<CT> r;
-  if constexpr (CT == 0) r.w = *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
-  else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
-  return r;
-}
+// Raw4 / raw4 (numerics.cuh): four consecutive cache values as the KV cache's raw words, kept so in registers
+// by the prefetch, and their float32 values (decode4, at the shared-memory store); ops_src.py cget4 decodes
+// the same way
 template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
   if constexpr (CT == 0) {
     return r.w;
@@ -302,15 +296,6 @@ template <int CT> __device__ __forceinline__ void mma16(float (&d)[4], const uns
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
                    "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void *p, bool trans) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
 __device__ __forceinline__ void cp16(void *dst, const void *src, bool ok) {   // !ok: 16 zero bytes
   const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(src), "r"(ok ? 16 : 0) : "memory");
@@ -408,11 +393,11 @@ __global__ void __launch_bounds__(128) attention_decode_tc(const float *q, const
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++) {
       unsigned b[4];                                  // keys 0-7 d 0-7, 8-15 of the step; keys 8-15 the same
-      ldsm4(b, Kd + (lr + 8 * (lm >> 1)) * RS + 16 * ks + 8 * (lm & 1), false);
+      ldsm4(b, Kd + (lr + 8 * (lm >> 1)) * RS + 16 * ks + 8 * (lm & 1));
 #pragma unroll
       for (int a = 0; a < AQ; a++) {
         unsigned qa[4];
-        ldsm4(qa, Qs + (a * 16 + lr + 8 * (lm & 1)) * RS + 16 * ks + 8 * (lm >> 1), false);
+        ldsm4(qa, Qs + (a * 16 + lr + 8 * (lm & 1)) * RS + 16 * ks + 8 * (lm >> 1));
         mma16<CK>(sc[0], qa, b[0], b[1]);
         mma16<CK>(sc[1], qa, b[2], b[3]);
       }
@@ -450,7 +435,7 @@ __global__ void __launch_bounds__(128) attention_decode_tc(const float *q, const
 #pragma unroll
     for (int j2 = 0; j2 < D / 16; j2++) {
       unsigned b[4];                                  // n-tile 2 j2: keys 0-7, 8-15; n-tile 2 j2 + 1 the same
-      ldsm4(b, Vd + (lr + 8 * (lm & 1)) * RS + 16 * j2 + 8 * (lm >> 1), true);
+      ldsm4t(b, Vd + (lr + 8 * (lm & 1)) * RS + 16 * j2 + 8 * (lm >> 1));
 #pragma unroll
       for (int a = 0; a < AP; a++) {
         mma16<CV>(acc[2 * j2], pa[a], b[0], b[1]);

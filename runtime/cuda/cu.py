@@ -5,9 +5,11 @@ compiled module on disk, keyed by the source and options).
     k = cu.kernel("gated_delta", "gated_delta_k<16, 4>")     # a cupy.RawKernel
     cu.source("gated_delta")                                  # the file's text (importable without CuPy)
 
-The .cu files are package data of bloomery.runtime.cuda (pyproject.toml); each is self-contained
-(no #include), so nvcc compiles it as it stands: `nvcc -arch=sm_90a -std=c++17 -c` with explicit
-instantiations (tools/bench_hybrid.py --nvcc prints the command and the ptxas report)."""
+The .cu files are package data of bloomery.runtime.cuda (pyproject.toml); each includes at most the
+shared headers beside it (numerics.cuh: the number formats' conversions and the tensor-core wrappers),
+which source() pastes in, so nvcc compiles a file as it stands with -I runtime/cuda: `nvcc -arch=sm_90a
+-std=c++17 -I runtime/cuda -c` with explicit instantiations (tools/bench_hybrid.py --nvcc prints the
+command and the ptxas report)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,24 @@ OPTIONS = ("-std=c++17",)
 
 
 @lru_cache(maxsize=None)
+def header(stem: str) -> str:
+    """The text of runtime/cuda/<stem>.cuh, without its #pragma once (pasted into one source once)."""
+    return "".join(line for line in (HERE / f"{stem}.cuh").read_text().splitlines(keepends=True)
+                   if line.strip() != "#pragma once")
+
+
+@lru_cache(maxsize=None)
 def source(stem: str) -> str:
-    """The text of runtime/cuda/<stem>.cu."""
-    return (HERE / f"{stem}.cu").read_text()
+    """The text of runtime/cuda/<stem>.cu, each `#include "<name>.cuh"` line replaced by that header's text
+    (the compiled source, and so CuPy's cache key, holds every line it compiles)."""
+    out = []
+    for line in (HERE / f"{stem}.cu").read_text().splitlines(keepends=True):
+        t = line.strip()
+        if t.startswith('#include "') and t.endswith('.cuh"'):
+            out.append(header(t[len('#include "'):-len('.cuh"')]))
+        else:
+            out.append(line)
+    return "".join(out)
 
 
 _MODS: dict = {}

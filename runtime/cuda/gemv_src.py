@@ -20,12 +20,10 @@ Dequantization (values exact in float32):
 Block scales multiply a per-block partial sum (one FMA per block and batch row).
 """
 
+from .cu import header
 from .ops_src import GRID_DEP, SWIGLU
 
-SOURCE = SWIGLU + GRID_DEP + r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+SOURCE = SWIGLU + GRID_DEP + header("numerics") + r"""
 
 #define FMT_F32 0
 #define FMT_BF16 1
@@ -35,35 +33,6 @@ typedef unsigned char u8;
 #define FMT_MXFP8 5
 #define FMT_NVFP4S 6
 
-__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
-  u32 r; u16 v = (u16)v16;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
-  return r;
-}
-__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
-  u16 lo, hi;
-  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
-}
-// 4 E4M3 bytes (byte i = element i) -> 4 floats
-__device__ __forceinline__ void e4m3x4(u32 w, float *v) {
-  h2f2(e4m3x2_h2(w & 0xFFFFu), v[0], v[1]);
-  h2f2(e4m3x2_h2(w >> 16), v[2], v[3]);
-}
-__device__ __forceinline__ float e4m3_1(u32 byte) {
-  float a, b; h2f2(e4m3x2_h2(byte & 0xFFu), a, b); return a;
-}
-// E2M1 nibbles in the low half of each byte of (w >> sh) -> E4M3 bytes (value * 2^-6)
-__device__ __forceinline__ u32 lo_nib_e4m3(u32 w) {   // low nibbles of w's bytes
-  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
-}
-__device__ __forceinline__ u32 hi_nib_e4m3(u32 w) {   // high nibbles of w's bytes
-  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
-}
-__device__ __forceinline__ float e8m0_f(u32 e) {
-  return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
-}
 // Activation loads (x, the norm weight). Not the read-only path (ld.global.nc): under programmatic dependent
 // launch (runtime/cuda/pdl.py) the kernel before may still be writing x while this kernel has started, and the
 // read-only path is only defined for data no one writes during the kernel's lifetime. Plain loads after
@@ -422,10 +391,6 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
 // x's high f16 part, column 1 the low part (x = hi + lo to ~22 bits; x scaled by a power of two so
 // |x| < 2^15, undone at the end): staged once per CTA in shared memory. Products are exact; the
 // tensor cores accumulate in float32 across the whole row. ----
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ u32 f2h2(float lo, float hi) {
-  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"

@@ -19,28 +19,7 @@
 // CTA writes its partial sums to `part` [KS, nb, out]; the last CTA of a row tile to arrive (a
 // counter per tile in `sem`, left at 0 for the next launch) adds them in ks order: deterministic.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
-  u32 r; u16 v = (u16)v16;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
-  return r;
-}
-__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
-  u16 lo, hi;
-  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
-}
-__device__ __forceinline__ u32 f2h2(float lo, float hi) {      // lo -> low half (the even k)
-  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
-// E2M1 nibbles -> E4M3 bytes holding e2m1 * 2^-6 (E4M3's subnormals line up with E2M1's)
-__device__ __forceinline__ u32 lo_nib_e4m3(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ u32 hi_nib_e4m3(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
+#include "numerics.cuh"
 
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

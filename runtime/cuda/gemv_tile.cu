@@ -30,9 +30,7 @@
 // outputs: deterministic, and a batch row's result does not depend on nb (the verify program).
 // Programmatic dependent launch: the first P k-steps' weights are in flight before griddepcontrol.wait.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "numerics.cuh"
 
 __device__ __forceinline__ void grid_dep_launch() {
 #if __CUDA_ARCH__ >= 900
@@ -51,22 +49,7 @@ __device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
 }
 
 __device__ __forceinline__ u32 rotr(u32 q, u32 r) { u32 d; asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(q), "r"(r)); return d; }
-__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
-  u32 r; u16 v = (u16)v16;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
-  return r;
-}
 __device__ __forceinline__ u32 prmt(u32 a, u32 sel) { u32 d; asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel)); return d; }
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
-__device__ __forceinline__ u32 f2h2(float lo, float hi) {     // lo -> the low half (the even k)
-  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
-__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
-  u16 lo, hi;
-  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
-}
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint4 &a, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"

@@ -14,9 +14,7 @@
 // does not depend on which other rows share its tile or in which order moe_route_k placed them:
 // bit-identical from launch to launch.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "numerics.cuh"
 
 __device__ __forceinline__ int clamp_expert(int e, int ne) { return e < 0 ? 0 : (e >= ne ? ne - 1 : e); }
 
@@ -61,47 +59,16 @@ moe_route_k(const int *__restrict__ ids, int pairs, int ne, int bm, int ntiles, 
 // ---- the grouped GEMM ----
 constexpr int BN = 128, BK = 64;     // outputs a CTA, inner depth a k-step (one GGML block); rows: 32 WM
 
-__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
 // a 64-wide row of bf16 is 8 chunks of 16 bytes; chunk c of row r lies at c ^ (r & 7) (ldmatrix: no conflicts)
 __device__ __forceinline__ int swz(int r, int c) { return r * 64 + ((c ^ (r & 7)) << 3); }
 __device__ __forceinline__ u32 hi16x2(float a, float b) {          // the upper halves: exact where a, b are bf16
   return __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x7632);
 }
-__device__ __forceinline__ u32 bf16x2_rn(float a, float b) {       // (a, b) -> bf16x2, round to nearest even
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
-__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
-__device__ __forceinline__ void e4m3x2_f(u32 v, float &a, float &b) {  // bytes 0, 1 of v (E4M3) -> floats
-  u32 h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((u16)(v & 0xFFFFu)));
-  u16 l, u;
-  asm("mov.b32 {%0, %1}, %2;" : "=h"(l), "=h"(u) : "r"(h));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(l));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(u));
-}
-// E2M1 nibbles -> E4M3 bytes (value x 2^-6): gemv_src.py's lo_nib_e4m3 / hi_nib_e4m3
-__device__ __forceinline__ u32 lo_nib(u32 w) { return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u); }
-__device__ __forceinline__ u32 hi_nib(u32 w) { return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u); }
 // 4 E4M3 bytes times s -> 4 bf16 (exact: <= 6 significant bits)
 __device__ __forceinline__ uint2 e4m3x4_bf(u32 w, float s) {
-  float a, b, c, d;
-  e4m3x2_f(w, a, b);
-  e4m3x2_f(w >> 16, c, d);
-  return make_uint2(hi16x2(a * s, b * s), hi16x2(c * s, d * s));
-}
-
-__device__ __forceinline__ void ldsm4(u32 addr, u32 &r0, u32 &r1, u32 &r2, u32 &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void mma16816(float *c, const u32 *a, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  float v[4];
+  e4m3x4(w, v);
+  return make_uint2(hi16x2(v[0] * s, v[1] * s), hi16x2(v[2] * s, v[3] * s));
 }
 
 // The weight layouts the kernel decodes (moe_gemm.py KINDS)
@@ -214,7 +181,7 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
         *reinterpret_cast<uint2 *>(&As[0][o]) = make_uint2(h0, h1);
         if constexpr (PARTS == 2)
           *reinterpret_cast<uint2 *>(&As[PARTS - 1][o]) =
-              make_uint2(bf16x2_rn(v.x - bf_lo(h0), v.y - bf_hi(h0)), bf16x2_rn(v.z - bf_lo(h1), v.w - bf_hi(h1)));
+              make_uint2(bf16x2_rn(v.x - bflo(h0), v.y - bfhi(h0)), bf16x2_rn(v.z - bflo(h1), v.w - bfhi(h1)));
       }
     }
     if constexpr (FMT == W_NVFP4_GGML) {
@@ -223,9 +190,9 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
       for (int j = 0; j < WJ; j++) {
         const int n = wr + WS * j;
         float s, s_unused;
-        e4m3x2_f(ws[j] >> (8 * sb), s, s_unused);
-        *reinterpret_cast<uint2 *>(&Bs[swz(n, 2 * sb) + half]) = e4m3x4_bf(lo_nib(wd[j]), s);
-        *reinterpret_cast<uint2 *>(&Bs[swz(n, 2 * sb + 1) + half]) = e4m3x4_bf(hi_nib(wd[j]), s);
+        h2f2(e4m3x2_h2(ws[j] >> (8 * sb)), s, s_unused);
+        *reinterpret_cast<uint2 *>(&Bs[swz(n, 2 * sb) + half]) = e4m3x4_bf(lo_nib_e4m3(wd[j]), s);
+        *reinterpret_cast<uint2 *>(&Bs[swz(n, 2 * sb + 1) + half]) = e4m3x4_bf(hi_nib_e4m3(wd[j]), s);
       }
     } else {                        // 16 E4M3 bytes: elements 16 wt .. + 16, chunks 2 wt and 2 wt + 1
 #pragma unroll
@@ -262,19 +229,19 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
         const int r = wm * 32 + mt * 16 + (lane & 15), c = 2 * ks + (lane >> 4);
 #pragma unroll
         for (int pp = 0; pp < PARTS; pp++)
-          ldsm4(smem_addr(&As[pp][swz(r, c)]), af[pp][mt][0], af[pp][mt][1], af[pp][mt][2], af[pp][mt][3]);
+          ldsm4(af[pp][mt], &As[pp][swz(r, c)]);
       }
 #pragma unroll
       for (int np = 0; np < 4; np++) {
         const int n = wn * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3), c = 2 * ks + ((lane >> 3) & 1);
-        u32 b0, b1, b2, b3;
-        ldsm4(smem_addr(&Bs[swz(n, c)]), b0, b1, b2, b3);
+        u32 b[4];
+        ldsm4(b, &Bs[swz(n, c)]);
 #pragma unroll
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
           for (int pp = 0; pp < PARTS; pp++) {
-            mma16816(acc[mt][2 * np], af[pp][mt], b0, b1);
-            mma16816(acc[mt][2 * np + 1], af[pp][mt], b2, b3);
+            mma_bf16(acc[mt][2 * np], af[pp][mt], b[0], b[1]);
+            mma_bf16(acc[mt][2 * np + 1], af[pp][mt], b[2], b[3]);
           }
       }
     }

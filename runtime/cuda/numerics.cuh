@@ -1,0 +1,84 @@
+// The device-side number formats every kernel source shares: one owner of each conversion. cu.source()
+// pastes this file where a .cu file says #include "numerics.cuh" (so NVRTC's source, and CuPy's cache key,
+// hold it whole); gemv_src.py's SOURCE starts with it. nvcc compiles a .cu file as it stands with
+// -I runtime/cuda.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// ---- f16, E4M3, E2M1, E8M0 ----
+__device__ __forceinline__ u32 e4m3x2_h2(u32 v16) {
+  u32 r; u16 v = (u16)v16;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+__device__ __forceinline__ void h2f2(u32 h, float &a, float &b) {
+  u16 lo, hi;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(h));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(a) : "h"(lo));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(b) : "h"(hi));
+}
+// 4 E4M3 bytes (byte i = element i) -> 4 floats
+__device__ __forceinline__ void e4m3x4(u32 w, float *v) {
+  h2f2(e4m3x2_h2(w & 0xFFFFu), v[0], v[1]);
+  h2f2(e4m3x2_h2(w >> 16), v[2], v[3]);
+}
+__device__ __forceinline__ float e4m3_1(u32 byte) {
+  float a, b; h2f2(e4m3x2_h2(byte & 0xFFu), a, b); return a;
+}
+// E2M1 nibbles in the low half of each byte of (w >> sh) -> E4M3 bytes (value * 2^-6)
+__device__ __forceinline__ u32 lo_nib_e4m3(u32 w) {   // low nibbles of w's bytes
+  return ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+}
+__device__ __forceinline__ u32 hi_nib_e4m3(u32 w) {   // high nibbles of w's bytes
+  return ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+__device__ __forceinline__ float e8m0_f(u32 e) {
+  return e ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u);
+}
+__device__ __forceinline__ u32 f2h2(float lo, float hi) {     // lo -> the low half (the even k)
+  u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+
+// ---- bf16 ----
+// (lo, hi) -> a packed bf16 pair, each rounded to nearest even
+__device__ __forceinline__ unsigned bf16x2_rn(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float bflo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bfhi(unsigned v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// ---- tensor cores ----
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]),
+                 "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const void *p) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm4t(unsigned (&r)[4], const void *p) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// ---- the KV cache's raw words ----
+// four consecutive cache values from element i (i % 4 == 0) as stored (type CT 0 f32: one 16-byte load;
+// 1 bf16, 2 f16: one 8-byte load)
+template <int CT> struct Raw4 { uint2 w; };
+template <> struct Raw4<0> { float4 w; };
+template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t i) {
+  Raw4<CT> r;
+  if constexpr (CT == 0) r.w = *reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(p) + i);
+  else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
+  return r;
+}
