@@ -47,7 +47,7 @@ def stacked(E, out, inn, rng, fmt="nvfp4"):
     return np.stack(dec), {"weight": np.stack(ws), FMTS[fmt]: np.concatenate(s2)}
 
 
-def run(lin, x, ids, xdiv, parts, bm=None, presplit=False, stages=MG.STAGES):
+def run(lin, x, ids, xdiv, parts, bm=MG.BM, presplit=False, stages=MG.STAGES):
     """presplit: the activations split into bf16 parts by moe_gemm.split first (the executor's form)."""
     pairs = ids.size
     y = cp.full((pairs, lin.out), cp.nan, dtype=cp.float32)

@@ -56,7 +56,7 @@ def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5,
             for bm in bms:
                 for pre, st in forms:
                     f = f"grouped x{p} bm{bm}" + (" presplit" if pre else "") + f" st{st}" + \
-                        (" (rule)" if bm == MG.choose_bm(pairs, E) and pre == MG.PRESPLIT and st == MG.STAGES else "")
+                        (" (executor)" if bm == MG.BM and pre and st == MG.STAGES else "")
                     route = MG.Route(pairs, E, bm=bm)
                     ys[f] = cp.zeros((pairs, out), cp.float32)
                     r, g = route.bind(ids), MG.bind(lin, xs if pre else x, ys[f], route, xdiv, p, stages=st)

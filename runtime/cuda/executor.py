@@ -848,25 +848,25 @@ class CudaExecutor:
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
         if self._moe_grouped(prog, rows, (gate, up, down)):
             # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu)
-            route = MG.Route(pairs, E, alloc=lambda shape: self._scratch(shape, np.int32))
+            # (the sort and the bf16 parts in scratch shared by every moe_experts op: each op writes them whole
+            # before reading them, and the ops of a program run one after another)
+            route = MG.Route(pairs, E, alloc=lambda name, shape: self._pool(f"moe_route_{name}", shape, np.int32))
             parts = 2 if self.gemm_mode == "bf16x2" else 1
             steps.append(route.bind(ids))
-            halves = {}
 
-            def parted(src):                     # the activations' bf16 parts, split once for the GEMMs reading them
-                if not MG.PRESPLIT:
-                    return src
-                if id(src) not in halves:
-                    halves[id(src)] = self._scratch((parts, *src.shape), np.uint16)
-                    steps.append(MG.split(src, halves[id(src)]))
-                return halves[id(src)]
+            def parted(name, src):               # the activations' bf16 parts, split once for the GEMMs reading them
+                xs = self._pool(f"moe_parts_{name}", (parts, *src.shape), np.uint16)
+                steps.append(MG.split(src, xs))
+                return xs
             xg, dg = scaled("gate", x, x.shape[-1], k)
             xu, du = scaled("up", x, x.shape[-1], k)
-            steps.append(MG.bind(gate, parted(xg), g, route, dg, parts))
-            steps.append(MG.bind(up, parted(xu), u, route, du, parts))
+            sg = parted("gate", xg)
+            su = sg if xu is xg else parted("up", xu)
+            steps.append(MG.bind(gate, sg, g, route, dg, parts))
+            steps.append(MG.bind(up, su, u, route, du, parts))
             steps += self._swiglu(g, u, g, op.get("limit"))
             xd, dd = scaled("down", g, inter, 1)
-            steps.append(MG.bind(down, parted(xd), d, route, dd, parts))
+            steps.append(MG.bind(down, parted("down", xd), d, route, dd, parts))
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]
             xg, dg = scaled("gate", x, x.shape[-1], k)

@@ -8,7 +8,7 @@ that decode steps and the other formats use (lever BLOOMERY_MOE_GEMM=gemv: that 
     for s in steps: s()                             # launches on the current stream: capturable, no host sync
 
 The sort (moe_route_k) runs once per op and serves the gate, up and down matrices. Row tiles hold bm pairs
-of one expert (bm 64; 128 selectable). The grid is sized for the worst case (ceil(pairs / bm) + min(experts,
+of one expert (BM 64; 128 selectable). The grid is sized for the worst case (ceil(pairs / bm) + min(experts,
 pairs) row tiles; a tile beyond the real ones exits), so the captured graph holds for every routing.
 
 Precision: GGML NVFP4 and FP8 (per-tensor) weights exact in bf16, activations in two bf16 parts (parts=2, the bf16x2 prefill:
@@ -23,6 +23,10 @@ from . import cu
 
 BN = 128                              # outputs a CTA (moe_gemm.cu)
 BMS = (64, 128)                       # pairs a row tile (32 WM: the kernel's WM 2, 4)
+# 64: 128 (twice the rows a decoded weight tile serves, 256 threads) was slower on Qwen3-30B-A3B's experts in
+# bf16x2 at 512 and 4,096 tokens and within 2% in bf16 (2026-12-03, H200, tools/bench_moe_gemm.py;
+# docs/kernels.md); it stays selectable (Route(bm=128))
+BM = 64
 KINDS = {"nvfp4_ggml": 0, "fp8_tensor": 1}    # the weight layouts the grouped kernel decodes (its FMT codes)
 
 
@@ -42,25 +46,20 @@ def tiles(pairs: int, experts: int, bm: int) -> int:
     return -(-pairs // bm) + min(experts, pairs)
 
 
-def choose_bm(pairs: int, experts: int) -> int:
-    """Pairs a row tile: 64. 128 (twice the rows a decoded weight tile serves, 256 threads) was slower on
-    Qwen3-30B-A3B's experts in bf16x2 at 512 and 4,096 tokens and within 2% in bf16 (2026-12-03, H200,
-    tools/bench_moe_gemm.py; docs/kernels.md); it stays selectable (Route(bm=128)) for other shapes."""
-    return 64
-
-
 class Route:
     """The pairs of one moe_experts op grouped by expert (perm) and the tile table, device int32 arrays."""
 
-    def __init__(self, pairs: int, experts: int, alloc=None, bm: int | None = None):
+    def __init__(self, pairs: int, experts: int, alloc=None, bm: int = BM):
+        """alloc(name, shape): the int32 device arrays (default: fresh zeros); every element is written by bind's
+        step before any kernel reads it, so a shared scratch serves."""
         import cupy as cp
-        mk = alloc or (lambda shape: cp.zeros(shape, np.int32))
-        self.bm = int(bm or choose_bm(pairs, experts))
+        mk = alloc or (lambda name, shape: cp.zeros(shape, np.int32))
+        self.bm = int(bm)
         if self.bm not in BMS:
             raise ValueError(f"moe_gemm: bm {self.bm}: one of {BMS}")
         self.pairs, self.experts, self.ntiles = int(pairs), int(experts), tiles(pairs, experts, self.bm)
-        self.perm = mk((self.pairs,))
-        self.tile = mk((3, self.ntiles))                    # expert, first sorted position, expert's end
+        self.perm = mk("perm", (self.pairs,))
+        self.tile = mk("tile", (3, self.ntiles))            # expert, first sorted position, expert's end
 
     def bind(self, ids):
         """The sort of ids (int32 [pairs], the router's) as one step."""
@@ -72,7 +71,6 @@ class Route:
         return lambda: kern((1,), (1024,), args, shared_mem=smem)
 
 
-PRESPLIT = True                       # the activations split into their bf16 parts once, before the GEMMs
 STAGES = 2                            # shared-memory stages of the main loop (moe_gemm.cu ST: 1 or 2)
 
 
@@ -94,8 +92,7 @@ def split(x, xs):
     if xs.shape[1:] != x.shape or xs.shape[0] not in (1, 2):
         raise ValueError(f"moe_gemm.split: parts {tuple(xs.shape)} for x {tuple(x.shape)}")
     lo = xs[1] if xs.shape[0] == 2 else np.uint64(0)
-    args = (x, xs[0], lo, np.int64(n))
-    grid = (max(1, min(132 * 16, -(-n // 256))),)
+    args, grid = (x, xs[0], lo, np.int64(n)), M._grid(n)
     return lambda: kern(grid, (256,), args)
 
 
