@@ -47,17 +47,16 @@ def stacked(E, out, inn, rng, fmt="nvfp4"):
     return np.stack(dec), {"weight": np.stack(ws), FMTS[fmt]: np.concatenate(s2)}
 
 
-def run(lin, x, ids, xdiv, parts, bm=MG.BM, presplit=False, stages=MG.STAGES):
-    """presplit: the activations split into bf16 parts by moe_gemm.split first (the executor's form)."""
+def run(lin, x, ids, xdiv, parts, bm=MG.BM, stages=MG.STAGES):
+    """The executor's steps: the sort, the activations split into their bf16 parts, the grouped GEMM."""
     pairs = ids.size
     y = cp.full((pairs, lin.out), cp.nan, dtype=cp.float32)
     route = MG.Route(pairs, lin.experts, bm=bm)
     xd = cp.asarray(x)
     steps = [route.bind(cp.asarray(ids))]
-    if presplit:
-        xs = cp.full((parts, *x.shape), 0xFFFF, dtype=cp.uint16)       # NaN-poisoned
-        steps.append(MG.split(xd, xs))
-        xd = xs
+    xs = cp.full((parts, *x.shape), 0xFFFF, dtype=cp.uint16)       # NaN-poisoned
+    steps.append(MG.split(xd, xs))
+    xd = xs
     steps.append(MG.bind(lin, xd, y, route, xdiv, parts, stages=stages))
     for s in steps:
         s()
@@ -128,7 +127,6 @@ def test_moe_gemm_matches_float64(case, parts, fmt, bm):
     assert np.array_equal(got1, got)
     other = MG.BMS[1 - MG.BMS.index(bm)]                    # a row's bits do not depend on the tile's height
     assert np.array_equal(run(lin, x, ids, k, parts, other)[0], got)
-    assert np.array_equal(run(lin, x, ids, k, parts, bm, presplit=True)[0], got)   # nor on where x is split
     assert np.array_equal(run(lin, x, ids, k, parts, bm, stages=3 - MG.STAGES)[0], got)   # nor on the stages
 
 

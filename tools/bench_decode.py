@@ -355,7 +355,8 @@ def bench_slots(art: Path, slots: int, context: int, steps: int = 32, cache: str
     traffic = ex.decode_bytes + slots * (keys * kv_row + 2 * ps["recurrent_bytes"])
     return {"slots": slots, "context": context, "cache": cache, "s_per_step": dt, "tok_s": slots / dt, "traffic_per_step": traffic,
             "replay_s": cp.cuda.get_elapsed_time(e0, e1) / 1e3 / 20, "tc_mode": ex.tc_mode,
-            "groups": {k: round(v[0], 4) for k, v in grouped(prof).items()}}
+            "groups": {k: round(v[0], 4) for k, v in grouped(prof).items()},
+            "profile": {k: [round(v[0], 4), v[1]] for k, v in prof.items()}}
 
 
 def bench_verify(art: Path, k_max: int = 4, context: int = 512, rounds: int = 3, reps: int = 30) -> dict:
@@ -734,6 +735,9 @@ def main(argv=None) -> int:
                     f"{1e3 * q['replay_s']:.2f} | {lin:.2f} | {g.get('attention', 0):.2f} | "
                     f"{sum(g.values()) - lin - g.get('attention', 0):.2f} | {q['traffic_per_step'] / 1e6:.0f} | "
                     f"{100 * q['traffic_per_step'] / q['s_per_step'] / bw:.1f} |")
+            for q in r["slot_runs"]:
+                log(f"    {q['slots']} slots, per op kind (ms a step, launches): " + ", ".join(
+                    f"{k} {v[0]:.3f} ({v[1]})" for k, v in sorted(q["profile"].items(), key=lambda kv: -kv[1][0])))
     for r in rows:
         if r.get("host"):
             h = r["host"]

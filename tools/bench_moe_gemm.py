@@ -3,7 +3,7 @@ per-pair expert GEMV it replaces in prefill, on a MoE shape's stacked matrices (
 on the device), checked against each other and timed in the same run (alternating rounds, medians).
 
     python -m bloomery.tools.bench_moe_gemm [--tokens 512 4096] [--rounds 3] [--parts 2 1] [--bms 64 128]
-(each with the activations split in the kernel or first by moe_gemm.split, and one or two shared-memory stages)
+(each with one or two shared-memory stages; the activations split into their bf16 parts by moe_gemm.split, timed)
 
 Default shape: Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, expert intermediate 768): gate / up
 [128, 768, 2048] read per token (xdiv 8), down [128, 2048, 768] per pair. TFLOP/s counts the useful work
@@ -31,8 +31,8 @@ def random_nvfp4(E: int, out: int, inn: int, rng):
 
 
 def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5,
-          forms=((False, 1), (True, 1), (True, 2))) -> list:
-    """forms: (activations split first, shared-memory stages) of each grouped variant timed."""
+          stages=(1, 2)) -> list:
+    """stages: the shared-memory stages of each grouped variant timed."""
     import cupy as cp
 
     from bloomery.runtime.cuda import gemv as G
@@ -54,13 +54,12 @@ def bench(shape: str, tokens: int, parts_list, bms, rounds: int, reps: int = 5,
             xs = cp.zeros((p, *x.shape), cp.uint16)
             sp = MG.split(x, xs)
             for bm in bms:
-                for pre, st in forms:
-                    f = f"grouped x{p} bm{bm}" + (" presplit" if pre else "") + f" st{st}" + \
-                        (" (executor)" if bm == MG.BM and pre and st == MG.STAGES else "")
+                for st in stages:
+                    f = f"grouped x{p} bm{bm} st{st}" + (" (executor)" if bm == MG.BM and st == MG.STAGES else "")
                     route = MG.Route(pairs, E, bm=bm)
                     ys[f] = cp.zeros((pairs, out), cp.float32)
-                    r, g = route.bind(ids), MG.bind(lin, xs if pre else x, ys[f], route, xdiv, p, stages=st)
-                    steps[f] = (lambda r=r, g=g, sp=sp if pre else None: (r(), sp and sp(), g()))
+                    r, g = route.bind(ids), MG.bind(lin, xs, ys[f], route, xdiv, p, stages=st)
+                    steps[f] = (lambda r=r, g=g, sp=sp: (r(), sp(), g()))
         for f in steps:
             steps[f]()
         names = list(steps)

@@ -622,9 +622,6 @@ class CudaExecutor:
         if names:
             G.compile_kernels(list(names))
 
-    def _scratch(self, shape, dtype=np.float32):
-        return cp.zeros(shape, dtype)
-
     def _pool(self, key: str, shape, dtype=np.float32):
         """A scratch array shared by every op of this executor that asks for `key` and shape (the ops of a
         program run one after another on one stream, so one array serves all of them)."""
@@ -705,7 +702,7 @@ class CudaExecutor:
         steps = []
         pq = self.w.pre_quant(name)
         if pq is not None:
-            xs = self._scratch(x.shape)
+            xs = self._pool("linear_pq", x.shape)      # written whole, read by the next launch only
             kern = self.k["scale_cols_k"]
             args = (x, pq.reshape(-1), xs, np.int32(rows), np.int32(x.shape[-1]))
             grid = K.grid1d(x.size)
@@ -812,7 +809,7 @@ class CudaExecutor:
         """The router's logits x @ weight.T into a scratch [rows, experts], float32 and exact (the
         expert choice is never rounded): (logits, launches)."""
         lin = self.w.linear(op["weight"])
-        lg = self._scratch((rows, lin.out))
+        lg = self._pool("router_logits", (rows, lin.out))     # written whole, read by the op's next launch
         if prog == "decode":
             self.decode_bytes += lin.nbytes
         return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
@@ -831,7 +828,9 @@ class CudaExecutor:
             raise PlanMismatch(f"moe_experts {op['gate']}: {gate.experts} experts stacked, the plan says {E}")
         x, ids, wts, out = bufs[op["x"]], bufs[op["ids"]], bufs[op["weights"]], bufs[acc or op["out"]]
         pairs, inter, hidden = rows * k, gate.out, down.out
-        g, u, d = self._scratch((pairs, inter)), self._scratch((pairs, inter)), self._scratch((pairs, hidden))
+        # scratch shared by every moe_experts op (_pool): each op writes g, u, d (and the scaled copies) whole
+        # before reading them, and the ops of a program run one after another on one stream
+        g, u, d = self._pool("moe_g", (pairs, inter)), self._pool("moe_u", (pairs, inter)), self._pool("moe_d", (pairs, hidden))
         sce = self.k["scale_cols_e_k"]
         steps = []
 
@@ -839,7 +838,7 @@ class CudaExecutor:
             pq = self.w.pre_quant(op[name])
             if pq is None:
                 return src, xdiv
-            dst = self._scratch((pairs, n))
+            dst = self._pool(f"moe_pq_{name}", (pairs, n))
             args = (src, pq.reshape(-1), ids, dst, np.int32(n), np.int32(xdiv), np.int32(E))
             grid = (max(1, min(64, -(-n // 256))), pairs)
             steps.append(lambda: sce(grid, (256,), args))
@@ -847,9 +846,8 @@ class CudaExecutor:
 
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
         if self._moe_grouped(prog, rows, (gate, up, down)):
-            # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu)
-            # (the sort and the bf16 parts in scratch shared by every moe_experts op: each op writes them whole
-            # before reading them, and the ops of a program run one after another)
+            # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu); the sort
+            # and the bf16 parts pooled as g, u, d are
             route = MG.Route(pairs, E, alloc=lambda name, shape: self._pool(f"moe_route_{name}", shape, np.int32))
             parts = 2 if self.gemm_mode == "bf16x2" else 1
             steps.append(route.bind(ids))

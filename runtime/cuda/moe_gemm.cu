@@ -81,13 +81,11 @@ constexpr int W_FP8_TENSOR = 1;   // [E][out][in] E4M3 bytes
 // or 4; the route's bm), 64 WM threads: warp (wm, wn) = (warp % WM, warp / WM) computes rows 32 wm .. + 32 by
 // outputs 64 wn .. + 64. Shared: one stage of the x parts and the decoded weight tile (PARTS * 4 WM KB +
 // 16 KB); the next k-step's words are loaded into registers while this one's mmas run.
-// XS 0: x is float32 [nx][in], split into its bf16 parts here (again by every CTA that reads the row); XS 1:
-// x is those parts already, bf16 [PARTS][nx][in] (gemm_src.py x_to_bf16_k, the same rounding), copied as
-// they lie.
+// x: its bf16 parts [PARTS][nx][in] (gemm_src.py x_to_bf16_k, moe_gemm.py split), copied as they lie.
 // ST 1: one shared-memory stage, two barriers a k-step (the decode of the next step waits for every warp's
 // mmas); ST 2: two stages, the next step decoded into the other while slower warps still read this one, one
 // barrier a k-step. Dynamic shared memory: ST x (PARTS BM + BN) x 64 x 2 bytes (moe_gemm.py smem_bytes).
-template <int FMT, int PARTS, int WM, int XS, int ST>
+template <int FMT, int PARTS, int WM, int ST>
 __global__ void __launch_bounds__(64 * WM)
 moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst, long long scst,
                  const void *__restrict__ xv_, long long nx, int xdiv, float *__restrict__ y, int out, int in,
@@ -109,17 +107,15 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
   const int nblk = in / BK, rowbytes = nblk * 36;
   const u8 *We = W + e * wst;
 
-  // x, XS 0: thread (q = tid & 15, r = tid >> 4) loads float4 q of rows r + NT / 16 i (i < 8) of the tile;
-  // XS 1: thread (q = tid & 7, r = tid >> 3) loads 16-byte chunk q of each part of rows r + NT / 8 i (i < 4)
-  const float *x = reinterpret_cast<const float *>(xv_);
+  // x: thread (q = tid & 7, r = tid >> 3) loads 16-byte chunk q of each part of rows r + NT / 8 i (i < 4)
   const u16 *xb = reinterpret_cast<const u16 *>(xv_);
-  constexpr int XI = XS ? 4 : 8, XR = XS ? NT / 8 : NT / 16;
-  const int xq = XS ? tid & 7 : tid & 15, xr = XS ? tid >> 3 : tid >> 4;
+  constexpr int XI = 4, XR = NT / 8;
+  const int xq = tid & 7, xr = tid >> 3;
   long long xoff[XI];               // the element offset of the thread's piece of each row, -1: no row
 #pragma unroll
   for (int i = 0; i < XI; i++) {
     const int m = xr + XR * i;
-    xoff[i] = m < nrow ? (long long)(perm[pos0 + m] / xdiv) * in + (XS ? 8 : 4) * xq : -1;
+    xoff[i] = m < nrow ? (long long)(perm[pos0 + m] / xdiv) * in + 8 * xq : -1;
   }
   // W, NVFP4: thread (wt = tid & 7, wr = tid >> 3) loads data word wt (and the scale word) of rows wr + NT / 8 j
   // (j < 16 / WM); FP8: thread (wt = tid & 3, wr = tid >> 2) loads 16-byte word wt of rows wr + NT / 4 j (j < 8 / WM)
@@ -133,20 +129,16 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
     wrow[j] = n < out ? We + (size_t)n * rowb : nullptr;
   }
 
-  float4 xv[8];                     // XS 1: the raw 16-byte chunks, XI of each part
+  float4 xv[PARTS * XI];            // the raw 16-byte chunks, XI of each part
   constexpr int WR = FMT == W_NVFP4_GGML ? WJ : 2 * WJ;
   u32 wd[WR], ws[WR];               // NVFP4: a data word and its block's scale word a row; FP8: 16 bytes in two
   auto load = [&](int kb) {
 #pragma unroll
     for (int i = 0; i < XI; i++) {
-      if constexpr (XS) {
 #pragma unroll
-        for (int pp = 0; pp < PARTS; pp++)
-          xv[pp * XI + i] = xoff[i] >= 0 ? *reinterpret_cast<const float4 *>(xb + pp * nx * in + xoff[i] + kb * BK)
-                                         : make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        xv[i] = xoff[i] >= 0 ? *reinterpret_cast<const float4 *>(x + xoff[i] + kb * BK) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      for (int pp = 0; pp < PARTS; pp++)
+        xv[pp * XI + i] = xoff[i] >= 0 ? *reinterpret_cast<const float4 *>(xb + pp * nx * in + xoff[i] + kb * BK)
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int j = 0; j < WJ; j++) {
@@ -166,24 +158,11 @@ moe_gemm_k(const u8 *__restrict__ W, const float *__restrict__ sc, long long wst
     }
   };
   auto store = [&]() {
-    if constexpr (XS) {
 #pragma unroll
-      for (int i = 0; i < XI; i++)
+    for (int i = 0; i < XI; i++)
 #pragma unroll
-        for (int pp = 0; pp < PARTS; pp++)
-          *reinterpret_cast<float4 *>(&As[pp][swz(xr + XR * i, xq)]) = xv[pp * XI + i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int m = xr + NT / 16 * i, o = swz(m, xq >> 1) + 4 * (xq & 1);
-        const float4 v = xv[i];
-        const u32 h0 = bf16x2_rn(v.x, v.y), h1 = bf16x2_rn(v.z, v.w);
-        *reinterpret_cast<uint2 *>(&As[0][o]) = make_uint2(h0, h1);
-        if constexpr (PARTS == 2)
-          *reinterpret_cast<uint2 *>(&As[PARTS - 1][o]) =
-              make_uint2(bf16x2_rn(v.x - bflo(h0), v.y - bfhi(h0)), bf16x2_rn(v.z - bflo(h1), v.w - bfhi(h1)));
-      }
-    }
+      for (int pp = 0; pp < PARTS; pp++)
+        *reinterpret_cast<float4 *>(&As[pp][swz(xr + XR * i, xq)]) = xv[pp * XI + i];
     if constexpr (FMT == W_NVFP4_GGML) {
       const int sb = wt >> 1, half = 4 * (wt & 1);
 #pragma unroll

@@ -74,8 +74,8 @@ class Route:
 STAGES = 2                            # shared-memory stages of the main loop (moe_gemm.cu ST: 1 or 2)
 
 
-def kernel_name(kind: str, parts: int, bm: int, presplit: bool = False, stages: int = STAGES) -> str:
-    return f"moe_gemm_k<{KINDS[kind]}, {int(parts)}, {bm // 32}, {int(bool(presplit))}, {int(stages)}>"
+def kernel_name(kind: str, parts: int, bm: int, stages: int = STAGES) -> str:
+    return f"moe_gemm_k<{KINDS[kind]}, {int(parts)}, {bm // 32}, {int(stages)}>"
 
 
 def smem_bytes(parts: int, bm: int, stages: int = STAGES) -> int:
@@ -85,7 +85,7 @@ def smem_bytes(parts: int, bm: int, stages: int = STAGES) -> int:
 
 def split(x, xs):
     """x (float32 [nx, in]) into its bf16 parts xs (uint16 [parts, nx, in]: hi, lo) as one step: gemm_src.py's
-    x_to_bf16_k (the dense prompt GEMM's split, the same rounding as moe_gemm.cu's own)."""
+    x_to_bf16_k (the dense prompt GEMM's split), what bind's kernel reads."""
     from . import gemm as M
     kern = M.kernels()["x_to_bf16_k"]
     n = int(x.size)
@@ -98,19 +98,18 @@ def split(x, xs):
 
 def bind(lin, x, y, route: Route, xdiv: int, parts: int = 2, stages: int = STAGES):
     """y[p] = W[ids[p]] x[p // xdiv] (float32 [pairs, out]) as one step, reading route's sort (bind it first, in
-    the same program). x: float32 [pairs // xdiv, in], or its bf16 parts (uint16 [parts, pairs // xdiv, in],
-    split's output)."""
+    the same program). x: the activations' bf16 parts (uint16 [parts, pairs // xdiv, in], split's output)."""
     why = supports(lin)
     if why:
         raise ValueError(f"moe_gemm: {why}")
     if parts not in (1, 2):
         raise ValueError(f"moe_gemm: parts {parts}: 1 (bf16) or 2 (bf16x2)")
-    pre = x.dtype == np.uint16
-    if pre and (x.ndim != 3 or x.shape[0] != parts):
-        raise ValueError(f"moe_gemm: split activations {tuple(x.shape)}, [{parts}, rows, in] expected")
+    if x.dtype != np.uint16 or x.ndim != 3 or x.shape[0] != parts:
+        raise ValueError(f"moe_gemm: activations {x.dtype} {tuple(x.shape)}: their bf16 parts (moe_gemm.split), "
+                         f"uint16 [{parts}, rows, in] expected")
     if stages not in (1, 2):
         raise ValueError(f"moe_gemm: stages {stages}: 1 or 2")
-    kern = cu.kernel("moe_gemm", kernel_name(lin.kind, parts, route.bm, pre, stages))
+    kern = cu.kernel("moe_gemm", kernel_name(lin.kind, parts, route.bm, stages))
     smem = smem_bytes(parts, route.bm, stages)
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem
