@@ -162,6 +162,8 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   const int j0 = ks * bps, nj = min(bps, nblk - j0), k0 = j0 * 64;
   const int g = lane >> 2, c = lane & 3;
   const int rbase = (blockIdx.x * W + warp) * 16 * MT;
+  const float s2 = __ldg(sc) * 64.0f;                // the e2m1 -> E4M3 trick's 2^-6 undone (loaded early: its
+                                                     // latency hidden by the loop, not paid after it)
   const u8 *pa[MT], *pb[MT];
 #pragma unroll
   for (int mt = 0; mt < MT; mt++) {
@@ -199,19 +201,36 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   }
   __syncthreads();
   // 2. the x slice as f16 hi / lo parts in B-fragment order: lane (g, c) of n-tile nt, block j, half h
-  //    holds elements 64 j + 16 c + 8 h .. + 7 of column g (batch row 4 nt + g / 2, part g % 2)
-  for (int i = threadIdx.x; i < nj * NT * 64; i += W * 32) {
-    const int L = i & 31, h = (i >> 5) & 1, t = i >> 6, nt = t % NT, j = t / NT;
-    const int gg = L >> 2, cc = L & 3, b = 4 * nt + (gg >> 1), pt = gg & 1;
-    uint4 r = make_uint4(0u, 0u, 0u, 0u);
-    if (b < nb) {
-      const float4 *p = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0 + 64 * j + 16 * cc + 8 * h);
-      const float4 v0 = __ldg(p), v1 = __ldg(p + 1);
-      const float s = xscale[b];
-      r.x = split2(v0.x * s, v0.y * s, pt); r.y = split2(v0.z * s, v0.w * s, pt);
-      r.z = split2(v1.x * s, v1.y * s, pt); r.w = split2(v1.z * s, v1.w * s, pt);
+  //    holds elements 64 j + 16 c + 8 h .. + 7 of column g (batch row 4 nt + g / 2, part g % 2).
+  //    XB pieces a thread at a time, their loads issued together (one L2 round trip per XB pieces, not one each)
+  constexpr int XB = 4;
+  const int nx = nj * NT * 64;
+  for (int i0 = threadIdx.x; i0 < nx; i0 += XB * W * 32) {
+    float4 v[XB][2];
+#pragma unroll
+    for (int q = 0; q < XB; q++) {
+      const int i = i0 + q * W * 32;
+      const int L = i & 31, h = (i >> 5) & 1, t = i >> 6, nt = t % NT, j = t / NT, b = 4 * nt + (L >> 3);
+      v[q][0] = v[q][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (i < nx && b < nb) {
+        const float4 *p = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0 + 64 * j + 16 * (L & 3) + 8 * h);
+        v[q][0] = __ldg(p); v[q][1] = __ldg(p + 1);
+      }
     }
-    xs[i] = r;
+#pragma unroll
+    for (int q = 0; q < XB; q++) {
+      const int i = i0 + q * W * 32;
+      if (i >= nx) break;
+      const int L = i & 31, nt = (i >> 6) % NT, gg = L >> 2, b = 4 * nt + (gg >> 1), pt = gg & 1;
+      uint4 r = make_uint4(0u, 0u, 0u, 0u);
+      if (b < nb) {
+        const float s = xscale[b];
+        const float4 v0 = v[q][0], v1 = v[q][1];
+        r.x = split2(v0.x * s, v0.y * s, pt); r.y = split2(v0.z * s, v0.w * s, pt);
+        r.z = split2(v1.x * s, v1.y * s, pt); r.w = split2(v1.z * s, v1.w * s, pt);
+      }
+      xs[i] = r;
+    }
   }
   __syncthreads();
 
@@ -244,7 +263,6 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   }
 
   // 4. thread (g, c) holds rows g, g + 8 of each m-tile for batch row 4 nt + c: (d0 + d1), (d2 + d3)
-  const float s2 = __ldg(sc) * 64.0f;                // the e2m1 -> E4M3 trick's 2^-6 undone
   if (KS == 1) {
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
