@@ -847,7 +847,7 @@ class CudaExecutor:
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
         if self._moe_grouped(prog, rows, (gate, up, down)):
             # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu); the sort
-            # and the bf16 parts pooled as g, u, d are
+            # and the bf16 parts are pooled as g, u and d are
             route = MG.Route(pairs, E, alloc=lambda name, shape: self._pool(f"moe_route_{name}", shape, np.int32))
             parts = 2 if self.gemm_mode == "bf16x2" else 1
             steps.append(route.bind(ids))
