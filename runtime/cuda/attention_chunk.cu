@@ -24,15 +24,11 @@
 // of another slot than the CTA's first active row gets NaN (the chunk kernel's contract), never its keys.
 
 #include "numerics.cuh"
+#include "pdl.cuh"
 
 #define NEG_INF __int_as_float(0xff800000u)
 
-__device__ __forceinline__ void grid_dep_entry() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+__device__ __forceinline__ void grid_dep_entry() { grid_dep_launch(); grid_dep_wait(); }
 
 // (x0, x1) as two packed bf16 pairs: part 0 the rounding of x, part 1 of what part 0 leaves
 __device__ __forceinline__ void split2(float x0, float x1, unsigned &p0, unsigned &p1) {

@@ -12,6 +12,7 @@
 // split order: deterministic. An inactive row (pos < 0) gives zeros.
 
 #include "numerics.cuh"
+#include "pdl.cuh"
 
 #define NEG_INF __int_as_float(0xff800000u)
 
@@ -33,15 +34,10 @@ template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
   }
 }
 
-// Programmatic dependent launch (runtime/cuda/pdl.py; the same two instructions as ops_src.py GRID_DEP, this
-// file being self-contained): the next kernel may be scheduled at once; nothing is read before the kernel
-// before has finished (q, the cache and the positions are its outputs: plain pointers, not the read-only path).
-__device__ __forceinline__ void grid_dep_entry() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (pdl.cuh): the next kernel may be scheduled at once; nothing is read before
+// the kernel before has finished (q, the cache and the positions are its outputs: plain pointers, not the
+// read-only path).
+__device__ __forceinline__ void grid_dep_entry() { grid_dep_launch(); grid_dep_wait(); }
 
 // The last CTA of a (kv head, row) to arrive merges the S splits' (max, sum, acc) in `part` in split order
 // (deterministic) into o, the G heads' outputs; every CTA has written its split before it calls this. scr: cap

@@ -31,17 +31,8 @@
 // Programmatic dependent launch: the first P k-steps' weights are in flight before griddepcontrol.wait.
 
 #include "numerics.cuh"
+#include "pdl.cuh"
 
-__device__ __forceinline__ void grid_dep_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dep_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 // the swiglu op's arithmetic (runtime/cuda/ops_src.py SWIGLU)
 __device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(g / (1.0f + expf(-g)), u); }
 __device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {

@@ -7,6 +7,8 @@ CUDA graph serves every step. Linears (and the MoE experts, the router's logits 
 head) are the GEMV kernels of gemv_src.py.
 """
 
+from .cu import header
+
 # SwiGLU's arithmetic, one owner: the swiglu op's kernels below and the gate / up pair GEMV kernels
 # of gemv_src.py (which fold the op into their launch) both call these, so their values agree bit for bit
 SWIGLU = r"""
@@ -22,18 +24,7 @@ __device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
 # then wait for the kernel before them before they read what it wrote; no-ops in a plain launch. A kernel
 # launched so reads the inputs the kernel before writes through plain pointers (not const __restrict__,
 # which the compiler may turn into the read-only path, undefined for data written while the kernel runs).
-GRID_DEP = r"""
-__device__ __forceinline__ void grid_dep_launch() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_dep_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-"""
+GRID_DEP = header("pdl")              # grid_dep_launch / grid_dep_wait (runtime/cuda/pdl.cuh)
 
 SOURCE = SWIGLU + GRID_DEP + r"""
 typedef unsigned int u32;
