@@ -159,3 +159,41 @@ def test_swiglu_not_folded_where_gate_or_up_is_read_after():
         edited = ops[:i + 3] + [{"op": "add", "a": ops[i + 2][k], "b": ops[i + 2]["out"], "out": "x"}] + ops[i + 3:]
         if ops[i + 2][k] != ops[i + 2]["out"]:
             assert ex._swiglu_after(edited, i, 2) is None, f"folded though {ops[i + 2][k]} is read after"
+
+
+def tc_groups(ex, plan, prog, rows):
+    """{index of a tensor-core group's first linear: its size}, as the executor's bind loop takes them."""
+    ops, got, i = plan["programs"][prog]["ops"], {}, 0
+    while i < len(ops):
+        n = ex._tc_group_size(ops, i, rows, prog) if ops[i]["op"] == "linear" and not ex._into_residual(ops, i) else 0
+        if n > 1:
+            got[i] = n
+        i += max(n, 1)
+    return ops, got
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tensor_core_groups_share_x_and_one_kernel_shape(name):
+    """Decode steps of several slots on the tensor-core GEMV (forced on): the linears of a group read one x,
+    each would run on the tensor cores alone, none accumulates into a residual, their outputs distinct."""
+    ex, plan = executor(name, tc="on")
+    for rows in (2, 5, 16):
+        ops, got = tc_groups(ex, plan, "decode", rows)
+        for i, n in got.items():
+            grp = ops[i:i + n]
+            assert all(o["op"] == "linear" and o["x"] == grp[0]["x"] for o in grp), (name, i)
+            assert len({o["out"] for o in grp}) == n and grp[0]["x"] not in {o["out"] for o in grp}
+            lins = [ex.w.linear(o["weight"]) for o in grp]
+            assert all(L.kind in G.TC_KINDS for L in lins) and G.TcGroup.fits(lins, rows)
+            assert not any(ex._into_residual(ops, j) for j in range(i, i + n))
+
+
+def test_llama_tensor_core_groups_are_qkv_and_gate_up():
+    ex, plan = executor("tiny-llama/nvfp4", tc="on")
+    layers = sum(1 for o in plan["programs"]["decode"]["ops"] if o["op"] == "attention")
+    ops, got = tc_groups(ex, plan, "decode", 16)
+    assert sorted(got.values()) == [2] * layers + [3] * layers, got
+    assert {ops[i]["weight"].rsplit(".", 1)[-1] for i in got} == {"attn_q", "ffn_gate"}
+    for prog, rows, modes in (("decode", 16, {"tc": "on", "group": "off"}), ("decode", 16, {"tc": "off"}),
+                              ("decode", 1, {"tc": "auto"}), ("verify", 5, {"tc": "on"}), ("decode", 17, {"tc": "on"})):
+        assert not tc_groups(executor("tiny-llama/nvfp4", **modes)[0], plan, prog, rows)[1], (prog, rows, modes)

@@ -326,6 +326,74 @@ def test_gemv_tc_matches_float64(shape, cfg):
     assert (ys[0] == ys[1]).all(), "two launches differ: the reduction is not deterministic"
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("outs, inn", [((4096, 1024, 1024), 4096), ((320, 64, 130), 1536), ((14336, 14336), 4096),
+                                       ((257, 7), 128)])
+def test_gemv_tc_group_is_each_member_alone(outs, inn, pdl):
+    """gemv.TcGroup (q, k, v or gate, up in one tensor-core launch): each member's rows bit for bit what a
+    launch of it alone computes, at every batch size, accumulate included; tile counters left at zero; with
+    programmatic dependent launch as the executor launches it, and a chained launch reading the group's
+    output (the wait before x)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("tcg", outs, inn)).encode()))
+    lins = []
+    for o in outs:
+        W, arrays = artifact("nvfp4", (o, inn), rng)
+        lins.append(G.Linear("nvfp4", (o, inn), {k: cp.asarray(v) for k, v in arrays.items()}, pdl=pdl))
+    for nb in (1, 3, 4, 8, 9, 16):
+        grp = G.TcGroup(lins, nb)
+        pf, si = grp.need()
+        part, sem = cp.zeros(pf, cp.float32), cp.zeros(si, cp.int32)
+        x = cp.asarray(rng.standard_normal((nb, inn)).astype(np.float32))
+        for acc in (False, True):
+            y0 = [cp.asarray(rng.standard_normal((nb, L.out)).astype(np.float32)) for L in lins]
+            ys = [a.copy() if acc else cp.full_like(a, cp.nan) for a in y0]
+            grp.launch(x, ys, acc, part, sem)
+            for L, a, y in zip(lins, y0, ys):
+                alone = a.copy() if acc else cp.full_like(a, cp.nan)
+                L.launch_tc(x, alone, nb, acc)
+                assert (cp.asnumpy(y) == cp.asnumpy(alone)).all(), (L.out, nb, acc)
+        assert not cp.asnumpy(sem).any(), "tile counters not left at zero"
+    # a chain: member 0's output of one launch is the next launch's x (square members only), in a graph
+    if outs[0] == inn:
+        nb = 16
+        grp = G.TcGroup(lins, nb)
+        part, sem = cp.zeros(grp.need()[0], cp.float32), cp.zeros(grp.need()[1], cp.int32)
+        x0 = cp.asarray(rng.standard_normal((nb, inn)).astype(np.float32) * np.float32(0.05))
+        bufs = [x0] + [[cp.empty((nb, L.out), cp.float32) for L in lins] for _ in range(4)]
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            x = bufs[0]
+            for ys in bufs[1:]:
+                grp.launch(x, ys, False, part, sem)
+                x = ys[0]
+            g = s.end_capture()
+            g.launch(s)
+        s.synchronize()
+        x = bufs[0]
+        for ys in bufs[1:]:                           # the same chain launch by launch, synchronised
+            ref = [cp.empty_like(y) for y in ys]
+            for L, r in zip(lins, ref):
+                L.launch_tc(x, r, nb)
+            cp.cuda.Device().synchronize()
+            for y, r in zip(ys, ref):
+                assert (cp.asnumpy(y) == cp.asnumpy(r)).all(), "a chained launch read x before it was written"
+            x = ref[0]
+
+
+def test_gemv_tc_group_refusals():
+    rng = np.random.default_rng(3)
+    mk = lambda o, i, f="nvfp4": G.Linear(f, (o, i), {k: cp.asarray(v) for k, v in artifact(f, (o, i), rng)[1].items()})
+    a, b = mk(4096, 4096), mk(14336, 4096)
+    with pytest.raises(ValueError, match="one kernel shape"):       # 8 warps a CTA against 4 at 16 rows
+        G.TcGroup([a, b], 16)
+    with pytest.raises(ValueError, match="one width"):
+        G.TcGroup([a, mk(64, 128)], 16)
+    with pytest.raises(ValueError, match="GGML NVFP4"):
+        G.TcGroup([a, mk(64, 4096, "q8_0")], 16)
+    assert not G.TcGroup.fits([a, a, a, a], 16) and G.TcGroup.fits([a, a, a], 16)
+
+
 def test_gemv_1d_and_refusals():
     rng = np.random.default_rng(1)
     W, arrays = artifact("fp8_channel", (64, 128), rng)

@@ -1,14 +1,16 @@
 """Check and time the decode GEMV of several activation rows: the CUDA-core kernels (launches of up
 to 8 rows) against the tensor-core kernel (gemv_tc.cu, up to 16 rows a launch) on the GPU.
 
-    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants]
+    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants] [--groups]
 
 Every tensor-core variant is checked against float64 (16 rows, y poisoned) before it is timed.
 Timing as tools/bench_kernels.py: a CUDA graph of launches rotating over copies of the weight
 that cannot sit in L2, median of 5 replays. GB/s counts the weight bytes once per launch of all
 rows (what a decode step of that many slots reads); % copy is against the device copy bandwidth
 measured in the same run. The last table is the Llama-3-8B layer stack (32 x q,k,v,o,gate,up,down
-+ head): ms per decode step of its linears and the ratio to one row.
++ head): ms per decode step of its linears and the ratio to one row. --groups: only the Llama-3-8B
+q/k/v and gate/up as the executor launches them at several rows, each member alone against one
+gemv.TcGroup launch, both with and without programmatic dependent launch (members checked bit for bit).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import cupy as cp
 
 from bloomery.runtime.cuda import gemv as G
 from bloomery.runtime.cuda.bandwidth import copy_bandwidth
-from bloomery.tools.bench_kernels import LLAMA, check_one, copies, log, make_arrays, ref_decode, time_linears
+from bloomery.tools.bench_kernels import LLAMA, check_one, copies, log, make_arrays, ref_decode, time_calls, time_linears
 
 STACK = {(4096, 4096): 64, (1024, 4096): 64, (14336, 4096): 64, (4096, 14336): 32, (128256, 4096): 1}
 K = 1024
@@ -57,14 +59,63 @@ class Tc:
     __call__ = lambda self, x, y, accumulate=False: self.launch(x, y, x.shape[0], accumulate)  # noqa: E731
 
 
+GROUPS = {"q,k,v": [(4096, 4096), (1024, 4096), (1024, 4096)], "gate,up": [(14336, 4096), (14336, 4096)]}
+
+
+def bench_groups(rows, bw) -> int:
+    """us a launch of each group of GROUPS, its members alone and as one TcGroup, PDL off / on."""
+    failures, table = 0, []
+    for name, shapes in GROUPS.items():
+        arrs = [make_arrays("nvfp4", o, i) for o, i in shapes]
+        nbytes = sum(G.Linear("nvfp4", s, a).nbytes for s, a in zip(shapes, arrs))
+        sets = [[{k: v.copy() for k, v in a.items()} for a in arrs] for _ in copies(arrs[0], nbytes)[1:]] + [arrs]
+        for nb in rows:
+            x = cp.random.standard_normal((nb, shapes[0][1]), dtype=cp.float32)
+            rec = {"group": name, "rows": nb}
+            for pdl in (False, True):
+                lin_sets = [[G.Linear("nvfp4", s, a, pdl=pdl) for s, a in zip(shapes, st)] for st in sets]
+                ys = [cp.zeros((nb, o), cp.float32) for o, _ in shapes]
+                grps = [G.TcGroup(ls, nb) for ls in lin_sets]
+                part = cp.zeros(max(max(g.need()[0] for g in grps), 1), cp.float32)
+                sem = cp.zeros(max(g.need()[1] for g in grps), cp.int32)
+                alone = [cp.zeros_like(y) for y in ys]
+                grps[0].launch(x, ys, False, part, sem)
+                for L, a in zip(lin_sets[0], alone):
+                    L.launch_tc(x, a, nb, False, part, sem)
+                if not all((cp.asnumpy(a) == cp.asnumpy(y)).all() for a, y in zip(alone, ys)):
+                    failures += 1
+                    log(f"FAIL {name} rows {nb} pdl {pdl}: the group's outputs differ from its members' alone")
+                sep = [lambda ls=ls: [L.launch_tc(x, y, nb, False, part, sem) for L, y in zip(ls, ys)] for ls in lin_sets]
+                one = [lambda g=g: g.launch(x, ys, False, part, sem) for g in grps]
+                est = nbytes / 3.5e12 + 1e-5
+                rec[f"alone{int(pdl)}"] = time_calls(sep, est)[0] * 1e6
+                rec[f"group{int(pdl)}"] = time_calls(one, est)[0] * 1e6
+            rec["pct"] = 100 * nbytes / (rec["group1"] * 1e-6) / bw
+            table.append(rec)
+            log(f"{name:8s} rows {nb:2d}: alone {rec['alone0']:7.2f} / pdl {rec['alone1']:7.2f} us   "
+                f"group {rec['group0']:7.2f} / pdl {rec['group1']:7.2f} us ({rec['pct']:.1f}% copy)")
+        del sets
+        cp.get_default_memory_pool().free_all_blocks()
+    log(f"\n## q/k/v and gate/up at several rows, us a launch set (copy {bw / 1e12:.2f} TB/s)")
+    log("| group | rows | members alone | alone, PDL | one launch | one launch, PDL | % copy | alone / group, PDL |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        log(f"| {r['group']} | {r['rows']} | {r['alone0']:.2f} | {r['alone1']:.2f} | {r['group0']:.2f} | "
+            f"{r['group1']:.2f} | {r['pct']:.1f} | {r['alone1'] / r['group1']:.2f}x |")
+    return failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
+    ap.add_argument("--groups", action="store_true", help="only the q/k/v and gate/up groups (GROUPS)")
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    if args.groups:
+        return 1 if bench_groups(args.rows, bw) else 0
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
     res, failures = [], []

@@ -434,6 +434,9 @@ class CudaExecutor:
                 sw = self._swiglu_after(ops, i + 1, n)
                 new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog, swiglu=sw)
                 tag, i = "rmsnorm+linear" + ("+swiglu" if sw else ""), i + 1 + n + (sw is not None)
+            elif op["op"] == "linear" and (n := self._tc_group_size(ops, i, rows, prog)) > 1:
+                new = self._op_tc_group(ops[i:i + n], bufs, rows, prog)
+                tag, i = "linear", i + n
             elif op["op"] == "linear" and self.group_mode != "off" and (n := self._group_size(ops, i, rows, prog)) > 1:
                 sw = self._swiglu_after(ops, i, n)
                 new = self._op_linear_group(ops[i:i + n], bufs, rows, prog, swiglu=sw)
@@ -502,6 +505,47 @@ class CudaExecutor:
         if prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS:
             return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
         return True
+
+    def _tensor_cores(self, prog: str, lin, rows: int) -> bool:
+        """Whether _gemv runs this linear's rows on the tensor-core GEMV (decode steps of up to 16 rows, GGML
+        NVFP4, where gemv.tc_wins or BLOOMERY_DECODE_TC=on)."""
+        return (prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS and not lin.experts
+                and rows <= G.TC_ROWS and (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)))
+
+    def _tc_group_size(self, ops, i, rows: int, prog: str) -> int:
+        """How many consecutive linears from ops[i] run as one tensor-core launch (gemv.TcGroup; 0: ops[i] is
+        not such a linear, or BLOOMERY_GROUP_LINEARS is off): the same x, each on the tensor cores alone,
+        one kernel shape, no activation pre-scale, an output of its own other than x, none accumulating into
+        the next op's residual add (_into_residual)."""
+        if self.group_mode == "off":
+            return 0
+        first, lins, outs = ops[i], [], set()
+        while i + len(lins) < len(ops) and len(lins) < G.TC_MEMBERS:
+            j = i + len(lins)
+            op = ops[j]
+            if op["op"] != "linear" or op["x"] != first["x"] or op["out"] in outs or op["out"] == first["x"]:
+                break
+            lin = self.w.linear(op["weight"])
+            if (self.w.pre_quant(op["weight"]) is not None or not self._tensor_cores(prog, lin, rows)
+                    or self._into_residual(ops, j) or not G.TcGroup.fits(lins + [lin], rows)):
+                break
+            lins.append(lin)
+            outs.add(op["out"])
+        return len(lins)
+
+    def _op_tc_group(self, ops, bufs, rows: int, prog: str) -> list:
+        """Linears that read one x as one tensor-core launch (gemv.TcGroup): each member's rows as its own
+        launch computes them."""
+        lins = [self.w.linear(op["weight"]) for op in ops]
+        for lin in lins:
+            self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
+            self.decode_bytes += lin.nbytes
+        grp = G.TcGroup(lins, rows)
+        pf, si = grp.need()
+        part, sem = self._pool("gemv_tc_part", (pf,)), self._pool("gemv_tc_sem", (si,), np.int32)
+        grp.kernel()                                   # compiled now, not inside the capture
+        x, ys = bufs[ops[0]["x"]][:rows], [bufs[op["out"]][:rows] for op in ops]
+        return [lambda: grp.launch(x, ys, False, part, sem)]
 
     def _member(self, ops, j: int, first, rows: int, prog: str, outs) -> bool:
         """Whether linear ops[j] can join a Group led by linear `first`: the same x, kernel family and

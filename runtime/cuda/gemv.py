@@ -297,6 +297,78 @@ def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
     return NT, (tiles, ks), bps, smem
 
 
+TC_MEMBERS = 3                            # matrices a tensor-core launch takes (q, k, v; gate, up)
+
+
+class TcGroup:
+    """Linears of one format and width that read the same x (q, k and v; gate and up), as one launch of
+    gemv_nvfp4_tc for nb rows: the grid is the members' CTAs one after another, each member with its own
+    tc_config shape (which must give the same kernel instance as the others'), so each member's rows are
+    bit for bit what a launch of it alone computes (tests/test_cuda_kernels.py)."""
+
+    def __init__(self, lins, nb: int, cfg: TcConfig | None = None):
+        lins = list(lins)
+        cfgs, shapes = self.shapes_of(lins, nb, cfg)
+        self.lins, self.nb, self.cfg, self.shapes = lins, int(nb), cfgs[0], shapes
+        self.inn = lins[0].inn
+        self.pdl = all(L.pdl for L in lins)          # launched with programmatic dependent launch
+        self.grid = sum(t * ks for _, (t, ks), _, _ in shapes)
+        self.smem = max(s[3] for s in shapes)
+
+    @staticmethod
+    def shapes_of(lins, nb: int, cfg: TcConfig | None = None):
+        """(each member's TcConfig, each member's tc_launch_shape); ValueError where they cannot be one launch."""
+        if not 1 <= len(lins) <= TC_MEMBERS or any(L.kind not in TC_KINDS or L.experts for L in lins) \
+                or len({L.inn for L in lins}) != 1:
+            raise ValueError(f"gemv_tc: 1..{TC_MEMBERS} GGML NVFP4 matrices of one width, got "
+                             f"{[(L.kind, L.out, L.inn) for L in lins]}")
+        cfgs = [cfg or tc_config(L.out, L.inn, nb) for L in lins]
+        shapes = [tc_launch_shape(L.out, L.inn, nb, c) for L, c in zip(lins, cfgs)]
+        if len(set(cfgs)) != 1 or len({s[0] for s in shapes}) != 1:
+            raise ValueError(f"gemv_tc: members of one launch need one kernel shape, got {cfgs}")
+        return cfgs, shapes
+
+    @staticmethod
+    def fits(lins, nb: int) -> bool:
+        """Whether these linears can be one launch of nb rows (shapes_of accepts them)."""
+        try:
+            TcGroup.shapes_of(list(lins), nb)
+        except ValueError:
+            return False
+        return True
+
+    def need(self) -> tuple[int, int]:
+        """(float32 partial sums, int32 tile counters) the launch needs: its members' one after another."""
+        pf = sum(ks * self.nb * L.out for L, (_, (_, ks), _, _) in zip(self.lins, self.shapes) if ks > 1)
+        return max(1, pf), sum(t for _, (t, _), _, _ in self.shapes)
+
+    def kernel(self):
+        cfg, L0 = self.cfg, self.lins[0]
+        NT = self.shapes[0][0]
+        ns = cfg.NS if tc_staged(self.inn, cfg) else 0
+        key = ("tc", NT, ns, cfg)
+        if key not in L0._kern:
+            k = cu.kernel("gemv_tc", f"gemv_nvfp4_tc<{cfg.MT}, {cfg.W}, {NT}, {cfg.U}, {ns}>")
+            optin = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"]
+            k.max_dynamic_shared_size_bytes = optin - k.shared_size_bytes    # the limit; launches ask for less
+            L0._kern[key] = k
+        return L0._kern[key]
+
+    def launch(self, x, ys, accumulate: bool = False, part=None, sem=None):
+        """ys[m][:nb] = W_m x[:nb] (+ ys[m]). part / sem: scratch of need()'s sizes (float32 / int32, sem all
+        zero: every launch leaves it so); made here when not given (not inside a graph capture)."""
+        if part is None or sem is None:
+            pf, si = self.need()
+            part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
+        i32, n = cp.int32, len(self.lins)
+        pad = lambda v: list(v) + [v[0]] * (TC_MEMBERS - n)      # unused member slots (never read)
+        L = pad(self.lins)
+        args = (*[l.w for l in L], *[l.sc for l in L], x, *pad(list(ys)), part, sem, *[i32(l.out) for l in L],
+                i32(self.inn), i32(self.nb), i32(int(accumulate)), *[i32(s[2]) for s in pad(self.shapes)],
+                *[i32(s[1][1]) for s in pad(self.shapes)], i32(n))
+        PDL.launcher(self.pdl)(self.kernel(), (self.grid,), (32 * self.cfg.W,), args, shared_mem=self.smem)
+
+
 class Linear:
     """One weight matrix in its artifact layout on the device, with its kernel chosen.
     mma=True: GGML NVFP4 at batch 1 on the tensor cores (gemv_nvfp4_mma). Off by default: exact,
@@ -401,36 +473,16 @@ class Linear:
 
     def tc_need(self, nb: int, cfg: TcConfig | None = None) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
-        cfg = cfg or tc_config(self.out, self.inn, nb)
-        _, (tiles, ks), _, _ = tc_launch_shape(self.out, self.inn, nb, cfg)
-        return (ks * nb * self.out if ks > 1 else 1), tiles
+        return TcGroup([self], nb, cfg).need()
 
     def tc_kernel(self, nb: int, cfg: TcConfig | None = None):
-        cfg = cfg or tc_config(self.out, self.inn, nb)
-        NT, _, _, smem = tc_launch_shape(self.out, self.inn, nb, cfg)
-        ns = cfg.NS if tc_staged(self.inn, cfg) else 0
-        key = ("tc", NT, ns, cfg)
-        if key not in self._kern:
-            k = cu.kernel("gemv_tc", f"gemv_nvfp4_tc<{cfg.MT}, {cfg.W}, {NT}, {cfg.U}, {ns}>")
-            optin = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"]
-            k.max_dynamic_shared_size_bytes = optin - k.shared_size_bytes    # the limit; launches ask for less
-            self._kern[key] = k
-        return self._kern[key]
+        return TcGroup([self], nb, cfg).kernel()
 
     def launch_tc(self, x, y, nb: int, accumulate: bool = False, part=None, sem=None, cfg: TcConfig | None = None):
         """y[:nb] = W x[:nb] (+ y) on the tensor cores, the weight read once for the nb rows (GGML
         NVFP4). part / sem: scratch of tc_need's sizes (float32 / int32, sem all zero: every launch
         leaves it so); made here when not given (not inside a graph capture)."""
-        if self.kind not in TC_KINDS or self.experts:
-            raise NotImplementedError(f"gemv_tc: no tensor-core kernel for {self.kind}")
-        cfg = cfg or tc_config(self.out, self.inn, nb)
-        NT, grid, bps, smem = tc_launch_shape(self.out, self.inn, nb, cfg)
-        if part is None or sem is None:
-            pf, si = self.tc_need(nb, cfg)
-            part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
-        i32 = cp.int32
-        self.tc_kernel(nb, cfg)(grid, (32 * cfg.W,), (self.w, self.sc, x, y, part, sem, i32(self.out), i32(self.inn),
-                                                      i32(nb), i32(int(accumulate)), i32(bps)), shared_mem=smem)
+        TcGroup([self], nb, cfg).launch(x, [y], accumulate, part, sem)
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1

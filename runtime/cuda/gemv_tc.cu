@@ -13,13 +13,19 @@
 // so an accumulator pair (d0 + d1) is one output of one batch row. Products are exact (e2m1 * E4M3
 // * 2^-6 is exact in f16); the sum is float32.
 //
-// Grid (ceil(out / (16 MT W)), KS): a CTA takes 16 MT W rows (warp w: MT m-tiles) and the k-slice
-// ks (bps blocks). Its x slice goes to shared memory once, already in B-fragment order (one
-// conflict-free 16-byte load per lane and fragment half), read by all W warps. With KS > 1 each
-// CTA writes its partial sums to `part` [KS, nb, out]; the last CTA of a row tile to arrive (a
-// counter per tile in `sem`, left at 0 for the next launch) adds them in ks order: deterministic.
+// Up to 3 members that read the same x (q, k and v; gate and up), each with its own W, sc, y, out, bps and
+// KS: the grid is the members' CTAs one after another, member m's being its ceil(out_m / (16 MT W)) row
+// tiles x KS_m k-slices (tile fastest), and each member's rows are exactly what a launch of it alone
+// computes. A CTA takes 16 MT W rows (warp w: MT m-tiles) and the k-slice ks (bps blocks). Its x slice
+// goes to shared memory once, already in B-fragment order (one conflict-free 16-byte load per lane and
+// fragment half), read by all W warps. With KS > 1 each CTA writes its partial sums to its member's
+// [KS, nb, out] of `part` (the members' one after another); the last CTA of a row tile to arrive (a
+// counter per tile in `sem`, the members' one after another, left at 0 for the next launch) adds them in
+// ks order: deterministic. Programmatic dependent launch (pdl.cuh): the first weights are in flight
+// before the wait for the kernel before; x is read after it.
 
 #include "numerics.cuh"
+#include "pdl.cuh"
 
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -150,18 +156,40 @@ __device__ __forceinline__ void mma_staged(float (&d)[MT][NT][4], const u8 *st, 
 }
 
 template <int MT, int W, int NT, int U, int NS>
-__global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ Wt, const float *__restrict__ sc,
-    const float *__restrict__ x, float *__restrict__ y, float *__restrict__ part, int *__restrict__ sem,
-    int out, int in, int nb, int add, int bps) {
+__global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W0, const u8 *__restrict__ W1,
+    const u8 *__restrict__ W2, const float *__restrict__ sc0, const float *__restrict__ sc1,
+    const float *__restrict__ sc2, const float *x, float *y0, float *y1, float *y2, float *part, int *sem,
+    int out0, int out1, int out2, int in, int nb, int add, int bps0, int bps1, int bps2, int ks0, int ks1, int ks2,
+    int nm) {
   extern __shared__ uint4 xs[];                      // [nj][NT][2 halves][32 lanes]
   __shared__ float xscale[4 * NT], xinv[4 * NT];
   __shared__ int last;
+  grid_dep_launch();                                 // PDL: the next kernel may be scheduled now
+  // the member of this CTA: members' CTAs one after another, each its tiles x KS k-slices (tile fastest);
+  // its partial sums and tile counters after the members' before it
+  constexpr int RT = 16 * MT * W;
+  int bx = blockIdx.x, m = 0, KS = ks0, out = out0, tl = (out0 + RT - 1) / RT;
+  size_t poff = 0;
+  int soff = 0;
+  if (nm > 1 && bx >= tl * KS) {
+    bx -= tl * KS; poff += KS > 1 ? (size_t)KS * nb * out : 0; soff += tl;
+    m = 1; KS = ks1; out = out1; tl = (out1 + RT - 1) / RT;
+    if (nm > 2 && bx >= tl * KS) {
+      bx -= tl * KS; poff += KS > 1 ? (size_t)KS * nb * out : 0; soff += tl;
+      m = 2; KS = ks2; out = out2; tl = (out2 + RT - 1) / RT;
+    }
+  }
+  const u8 *Wt = m == 0 ? W0 : m == 1 ? W1 : W2;
+  const float *sc = m == 0 ? sc0 : m == 1 ? sc1 : sc2;
+  float *y = m == 0 ? y0 : m == 1 ? y1 : y2;
+  const int bps = m == 0 ? bps0 : m == 1 ? bps1 : bps2;
+  part += poff; sem += soff;
+  const int tile = bx % tl, ks = bx / tl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nblk = in >> 6, rowbytes = nblk * 36;
-  const int KS = gridDim.y, ks = blockIdx.y;
   const int j0 = ks * bps, nj = min(bps, nblk - j0), k0 = j0 * 64;
   const int g = lane >> 2, c = lane & 3;
-  const int rbase = (blockIdx.x * W + warp) * 16 * MT;
+  const int rbase = (tile * W + warp) * 16 * MT;
   const float s2 = __ldg(sc) * 64.0f;                // the e2m1 -> E4M3 trick's 2^-6 undone (loaded early: its
                                                      // latency hidden by the loop, not paid after it)
   const u8 *pa[MT], *pb[MT];
@@ -182,13 +210,14 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   } else {
     load_chunk<MT, U>(qa, pa, pb, 0, nj, c);
   }
+  grid_dep_wait();                                   // x, y, part and sem (the kernels before) from here on
 
   // 1. per batch row, the power of two for the slice
   for (int b = warp; b < 4 * NT; b += W) {
     float m = 0.f;
     if (b < nb)
       for (int i = lane; i < nj * 16; i += 32) {
-        const float4 v = __ldg(reinterpret_cast<const float4 *>(x + (size_t)b * in + k0) + i);
+        const float4 v = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0)[i];
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
       }
 #pragma unroll
@@ -214,7 +243,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
       v[q][0] = v[q][1] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (i < nx && b < nb) {
         const float4 *p = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0 + 64 * j + 16 * (L & 3) + 8 * h);
-        v[q][0] = __ldg(p); v[q][1] = __ldg(p + 1);
+        v[q][0] = p[0]; v[q][1] = p[1];
       }
     }
 #pragma unroll
@@ -297,11 +326,11 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
     }
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(sem + blockIdx.x, 1) == KS - 1;
+  if (threadIdx.x == 0) last = atomicAdd(sem + tile, 1) == KS - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const int R = 16 * MT * W, row0 = blockIdx.x * R;
+  const int R = RT, row0 = tile * R;
   for (int i = threadIdx.x; i < nb * R; i += W * 32) {
     const int b = i / R, row = row0 + i % R;
     if (row < out) {
@@ -312,5 +341,5 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
       *p = add ? *p + v : v;
     }
   }
-  if (threadIdx.x == 0) sem[blockIdx.x] = 0;
+  if (threadIdx.x == 0) sem[tile] = 0;
 }
