@@ -257,15 +257,19 @@ def tc_staged(inn: int, cfg: TcConfig) -> bool:
 
 
 def tc_config(out: int, inn: int, nb: int) -> TcConfig:
-    """The measured best shape (tools/bench_gemv_tc.py --variants, H200, 2026-12-01, docs/kernels.md):
-    weights staged two chunks deep; one m-tile a warp and a wider grid up to 4096 x 4096; 8 warps a
-    CTA and a wider grid for the larger shapes at more rows; four m-tiles a warp for the output head."""
+    """The measured best shape (tools/bench_gemv_tc.py --variants, H200, 2026-12-01 and 2026-12-04,
+    docs/kernels.md): weights staged two chunks deep; four m-tiles a warp for the output head; from 5
+    rows (two or four n-tiles) 8 warps a CTA, one m-tile a warp and a 264-CTA grid, except the wide
+    gate / up (two m-tiles, 528 CTAs from 9 rows); up to 4 rows one m-tile a warp and a wider grid up to
+    4096 x 4096."""
     if out >= 65536:
         return TcConfig(MT=4 if nb > 4 else 2, W=8, ctas=528, NS=2)
+    if nb > 4:
+        if out > inn and out > 4096:
+            return TcConfig(W=8, ctas=528 if nb > 8 else 264, NS=2)
+        return TcConfig(MT=1, W=8, ctas=264, NS=2)
     if out <= 4096 and inn <= 4096:
         return TcConfig(MT=1, ctas=528, NS=2)
-    if nb > 8 or (nb > 4 and out > inn):
-        return TcConfig(W=8, ctas=528, NS=2)
     return TcConfig(NS=2)
 
 
