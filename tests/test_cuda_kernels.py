@@ -394,6 +394,76 @@ def test_gemv_tc_group_refusals():
     assert not G.TcGroup.fits([a, a, a, a], 16) and G.TcGroup.fits([a, a, a], 16)
 
 
+@pytest.mark.parametrize("cfg", [None, G.Bf16TcConfig(), G.Bf16TcConfig(MT=1, W=8, ctas=132), G.Bf16TcConfig(MT=4, W=4, ctas=64)])
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (130, 320), (576, 1536), (1536, 576), (257, 4096), (300, 14336)])
+def test_gemv_bf16_tc_matches_float64(shape, cfg):
+    """gemv_bf16_tc (BF16 weights, several rows on the tensor cores, x in three bf16 parts; split-K where the
+    row tiles are few; cfg None: gemv.bf16_tc_config's choice at each row count): every batch size, accumulate, large and zero activations, bit-identical repeats,
+    tile counters left at zero."""
+    rng = np.random.default_rng(zlib.crc32(repr(("bf16tc", shape)).encode()))
+    W, arrays = artifact("bf16", shape, rng)
+    lin = G.Linear("bf16", shape, {k: cp.asarray(v) for k, v in arrays.items()})
+    part, sem = (cp.zeros(n, t) for n, t in zip(lin.tc_need(16, cfg), (cp.float32, cp.int32)))
+
+    class Tc:                                             # check()'s calling convention
+        def __call__(self, x, y, accumulate=False):
+            lin.launch_tc(x, y, x.shape[0], accumulate, part, sem, cfg)
+    for nb in (1, 2, 3, 7, 8, 9, 13, 16):
+        check(Tc(), W, nb, rng, tol=2e-5)
+    check(Tc(), W, 10, rng, accumulate=True, tol=2e-5)
+    assert not cp.asnumpy(sem).any(), "tile counters not left at zero"
+    x = rng.standard_normal((11, shape[1])).astype(np.float32) * np.float32(1e-3)
+    x[3, ::7] *= np.float32(1e12)                           # |x| up to ~1e9 in one row, tiny ones beside
+    x[5] = 0.0
+    ys = []
+    for _ in range(2):
+        y = cp.full((11, shape[0]), cp.nan, dtype=cp.float32)
+        Tc()(cp.asarray(x), y)
+        ys.append(cp.asnumpy(y))
+    ref = x.astype(np.float64) @ W.T
+    bound = np.abs(x.astype(np.float64)) @ np.abs(W).T
+    err = np.abs(ys[0].astype(np.float64) - ref)
+    assert np.isfinite(ys[0]).all() and (err <= 2e-5 * bound + 1e-30).all()
+    assert (ys[0][5] == 0).all()
+    assert (ys[0] == ys[1]).all(), "two launches differ: the reduction is not deterministic"
+
+
+def test_gemv_bf16_tc_pdl_chain():
+    """gemv_bf16_tc launched with programmatic dependent launch in a graph, each launch reading what the one
+    before wrote (the weights before the wait, x after it): the same values as plain launches."""
+    rng = np.random.default_rng(5)
+    W, arrays = artifact("bf16", (512, 512), rng)
+    plain = G.Linear("bf16", (512, 512), {k: cp.asarray(v) for k, v in arrays.items()})
+    pdl = G.Linear("bf16", (512, 512), plain.arrays, pdl=True)
+    nb = 16
+    part, sem = (cp.zeros(n, t) for n, t in zip(plain.tc_need(nb), (cp.float32, cp.int32)))
+    x0 = cp.asarray(rng.standard_normal((nb, 512)).astype(np.float32))
+    want = [x0]
+    for _ in range(4):
+        y = cp.empty_like(x0)
+        plain.launch_tc(want[-1], y, nb, False, part, sem)
+        want.append(y)
+    bufs = [x0.copy()] + [cp.full_like(x0, cp.nan) for _ in range(4)]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for i in range(4):
+            pdl.launch_tc(bufs[i], bufs[i + 1], nb, False, part, sem)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+    for a, b in zip(want, bufs):
+        assert (cp.asnumpy(a) == cp.asnumpy(b)).all()
+
+
+def test_gemv_bf16_tc_refusals():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        G.bf16_tc_launch_shape(64, 48, 4)
+    with pytest.raises(ValueError, match="1..16"):
+        G.bf16_tc_launch_shape(64, 64, 17)
+    assert not G.tc_wins("bf16", 128256, 4080, 16) and G.tc_wins("bf16", 128256, 4096, 16)
+
+
 def test_gemv_1d_and_refusals():
     rng = np.random.default_rng(1)
     W, arrays = artifact("fp8_channel", (64, 128), rng)

@@ -1,7 +1,7 @@
 """Check and time the decode GEMV of several activation rows: the CUDA-core kernels (launches of up
 to 8 rows) against the tensor-core kernel (gemv_tc.cu, up to 16 rows a launch) on the GPU.
 
-    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants] [--groups]
+    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants] [--groups] [--bf16]
 
 Every tensor-core variant is checked against float64 (16 rows, y poisoned) before it is timed.
 Timing as tools/bench_kernels.py: a CUDA graph of launches rotating over copies of the weight
@@ -11,6 +11,9 @@ measured in the same run. The last table is the Llama-3-8B layer stack (32 x q,k
 + head): ms per decode step of its linears and the ratio to one row. --groups: only the Llama-3-8B
 q/k/v and gate/up as the executor launches them at several rows, each member alone against one
 gemv.TcGroup launch, both with and without programmatic dependent launch (members checked bit for bit).
+--bf16: BF16 weights (the output heads ModelOpt leaves unquantized): gemv_bf16_tc's configurations
+(checked against float64 first) against the CUDA-core kernels and, past 8 rows, the prompt GEMM (cuBLAS,
+bf16x2) that the executor used there before.
 """
 
 from __future__ import annotations
@@ -105,17 +108,73 @@ def bench_groups(rows, bw) -> int:
     return failures
 
 
+BF16_SHAPES = [(128256, 4096), (49152, 576), (4096, 4096), (14336, 4096)]
+BF16_VARIANTS = [G.Bf16TcConfig(), G.Bf16TcConfig(ctas=264), G.Bf16TcConfig(ctas=1056), G.Bf16TcConfig(MT=4),
+                 G.Bf16TcConfig(MT=1, W=8)]
+
+
+def bench_bf16(rows, bw) -> int:
+    """us a launch of BF16 weights at several rows: CUDA cores, the prompt GEMM past 8 rows, gemv_bf16_tc."""
+    from bloomery.runtime.cuda import gemm as M
+    failures, table = 0, []
+    part = cp.zeros(1 << 24, cp.float32)
+    sem = cp.zeros(1 << 16, cp.int32)
+    gs = cp.cuda.Stream(non_blocking=True)
+    mm = M.Matmul(gs, "bf16x2")                  # its cuBLAS handle runs on gs: timed there (time_calls' stream)
+    for out, inn in BF16_SHAPES:
+        a = make_arrays("bf16", out, inn)
+        lin = G.Linear("bf16", (out, inn), a)
+        W64 = ref_decode("bf16", a, out, inn)
+        for cfg in BF16_VARIANTS:
+            for nb, acc in ((16, False), (11, True), (3, False), (1, False)):
+                ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
+                if not ok:
+                    failures += 1
+                    log(f"FAIL bf16 {out}x{inn} {cfg} nb={nb} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
+        del W64
+        lins = [G.Linear("bf16", (out, inn), b) for b in copies(a, lin.nbytes)]
+        for nb in rows:
+            x = cp.random.standard_normal((nb, inn), dtype=cp.float32)
+            y = cp.zeros((nb, out), cp.float32)
+            rec = {"shape": f"{out}x{inn}", "rows": nb, "bytes": lin.nbytes,
+                   "cores": time_linears([Cores(L) for L in lins], x, y, nb)[0] * 1e6}
+            if nb > 8:
+                rec["gemm"] = time_calls([mm.bind(L, x, y, nb) for L in lins[:4]], lin.nbytes / 3.5e12, stream=gs)[0] * 1e6
+            for cfg in BF16_VARIANTS:
+                rec[repr(cfg)] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6
+            rec["rule"] = time_linears([Tc(L, None, part, sem) for L in lins], x, y, nb)[0] * 1e6
+            best = min(BF16_VARIANTS, key=lambda c: rec[repr(c)])
+            rec["best"], rec["best_cfg"] = rec[repr(best)], best
+            table.append(rec)
+            log(f"bf16 {rec['shape']:12s} rows {nb:2d}: cores {rec['cores']:8.2f}  gemm {rec.get('gemm', float('nan')):8.2f}  "
+                + "  ".join(f"{c.MT}/{c.W}/{c.ctas} {rec[repr(c)]:7.2f}" for c in BF16_VARIANTS))
+        del lins
+        cp.get_default_memory_pool().free_all_blocks()
+    log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; GB/s = weight bytes once / time)")
+    log("| out x in | rows | CUDA cores | prompt GEMM | tensor cores (bf16_tc_config) | best (MT/W/ctas) | % copy (best) | cores / best |")
+    log("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        c = r["best_cfg"]
+        log(f"| {r['shape']} | {r['rows']} | {r['cores']:.2f} | {r.get('gemm', float('nan')):.2f} | {r['rule']:.2f} | "
+            f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
+            f"{r['cores'] / r['best']:.2f}x |")
+    return failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
     ap.add_argument("--groups", action="store_true", help="only the q/k/v and gate/up groups (GROUPS)")
+    ap.add_argument("--bf16", action="store_true", help="only BF16 weights (BF16_SHAPES, BF16_VARIANTS)")
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     if args.groups:
         return 1 if bench_groups(args.rows, bw) else 0
+    if args.bf16:
+        return 1 if bench_bf16(args.rows, bw) else 0
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
     res, failures = [], []

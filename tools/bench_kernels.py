@@ -188,12 +188,13 @@ def check_one(lin, W64, nb, accumulate=False, ref_abs=None, tol=1e-5):
 
 # -- timing ------------------------------------------------------------------------------------
 
-def time_calls(calls, est_s, n=None, reps=5):
+def time_calls(calls, est_s, n=None, reps=5, stream=None):
     """(median, min, max) seconds per call of a graph of n calls rotating over `calls` (zero-argument
-    launches; n from the estimate est_s seconds a call when not given), over reps replays."""
+    launches; n from the estimate est_s seconds a call when not given), over reps replays. stream: the
+    stream the calls enqueue on where they bring their own (a cuBLAS handle's); a new one otherwise."""
     if n is None:
         n = int(min(max(2e-3 / est_s, 10, len(calls)), 1000))
-    s = cp.cuda.Stream(non_blocking=True)
+    s = stream or cp.cuda.Stream(non_blocking=True)
     with s:
         for c in calls[:2]:
             c()                                    # compile / warm

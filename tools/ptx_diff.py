@@ -32,7 +32,8 @@ INSTANCES = {
                          P((2, 4), (1, 2, 4), (0, 1, 2), (0, 1, 2))]
                         + [f"attention_decode_tc<{d}, {st}, {ck}, {cv}>" for d, st, ck, cv in P((64, 128), (2, 3), (1, 2), (1, 2))],
     "gemv_tc": [f"gemv_nvfp4_tc<{mt}, {w}, {nt}, {u}, {ns}>" for mt, w, nt, (u, ns) in
-                P((1, 2), (4, 8), (1, 4), ((1, 0), (2, 0), (4, 2), (4, 3)))],
+                P((1, 2), (4, 8), (1, 4), ((1, 0), (2, 0), (4, 2), (4, 3)))]
+               + [f"gemv_bf16_tc<{mt}, {w}, {nt}>" for mt, w, nt in P((1, 2), (4, 8), (1, 2))],
     "gemv_tile": ["tile_repack_w", "tile_repack_s"] + [f"gemv_tile<{w}, {m}, {p}, {n}, {pr}>" for w, m, p, n, pr in
                                                        P((4, 8), (1, 2), (0, 16), (0, 1), (0, 1))],
 }

@@ -502,14 +502,14 @@ class CudaExecutor:
         if (rows > GEMV_ROWS and prog != "verify") or lin.experts or lin.mma or lin.kind not in G.GROUP_KINDS \
                 or lin.config:
             return False
-        if prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS:
+        if prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn):
             return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
         return True
 
     def _tensor_cores(self, prog: str, lin, rows: int) -> bool:
         """Whether _gemv runs this linear's rows on the tensor-core GEMV (decode steps of up to 16 rows, GGML
         NVFP4, where gemv.tc_wins or BLOOMERY_DECODE_TC=on)."""
-        return (prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS and not lin.experts
+        return (prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn) and not lin.experts
                 and rows <= G.TC_ROWS and (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)))
 
     def _tc_group_size(self, ops, i, rows: int, prog: str) -> int:
@@ -676,14 +676,18 @@ class CudaExecutor:
 
     def _gemv(self, prog: str, lin: G.Linear, x, y, rows: int, accumulate: bool = False,
               exact: bool = False) -> list:
-        """y[:rows] = W x[:rows] (+ y). Decode steps of GGML NVFP4: the tensor-core GEMV (gemv_tc.cu, 16
-        rows a launch) where it is measured faster (gemv.tc_wins; lever BLOOMERY_DECODE_TC), else the
-        CUDA-core GEMV kernels in launches of at most 8 rows; prompt chunks of more rows: the
-        tensor-core GEMM (gemm.py) when the mode allows and the format has a decoder."""
+        """y[:rows] = W x[:rows] (+ y). Decode steps of GGML NVFP4 and BF16: the tensor-core GEMV (gemv_tc.cu,
+        16 rows a launch) where it is measured faster (gemv.tc_wins; lever BLOOMERY_DECODE_TC), else the
+        CUDA-core GEMV kernels in launches of at most 8 rows (BF16 past 8 rows: the prompt GEMM, as
+        before); prompt chunks of more rows: the tensor-core GEMM (gemm.py) when the mode allows and the
+        format has a decoder."""
         self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
         steps = []
-        if (prog == "decode" and self.tc_mode != "off" and lin.kind in G.TC_KINDS and not lin.experts
-                and rows <= G.TC_ROWS):                 # more slots: the prompt GEMM (measured faster at 64)
+        tc = (prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn) and not lin.experts
+              and rows <= G.TC_ROWS)                    # more slots: the prompt GEMM (measured faster at 64)
+        if tc and lin.kind == "bf16" and rows > GEMV_ROWS:
+            tc = self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)
+        if tc:
             for g in range(0, rows, G.TC_ROWS):         # decode rows (slots): the weight read once for them
                 nb = min(G.TC_ROWS, rows - g)
                 xv, yv = x[g:g + nb], y[g:g + nb]

@@ -231,7 +231,7 @@ def mma_warps(out: int) -> int:
 
 
 # -- several activation rows on the tensor cores (gemv_tc.cu) ---------------------------------------
-TC_KINDS = ("nvfp4_ggml",)
+TC_KINDS = ("nvfp4_ggml", "bf16")        # GGML NVFP4 (gemv_nvfp4_tc, TcGroup) and BF16 (gemv_bf16_tc)
 TC_ROWS = 16                              # activation rows per launch (4 per n-tile, NT <= 4)
 TC_SMEM = 64 * 1024                       # cap on a CTA's x slice in shared memory
 TC_SMEM_MAX = 227 * 1024 - 1024           # H100/H200 opt-in limit less the kernel's static shared memory
@@ -273,10 +273,16 @@ def tc_config(out: int, inn: int, nb: int) -> TcConfig:
     return TcConfig(NS=2)
 
 
+def tc_takes(kind: str, inn: int) -> bool:
+    """Whether a tensor-core GEMV reads this kind at this width (BF16: in % 32 == 0)."""
+    return kind in TC_KINDS and (kind != "bf16" or inn % BF16_TC_K == 0)
+
+
 def tc_wins(kind: str, out: int, inn: int, nb: int) -> bool:
     """Whether the tensor-core launch of nb rows beats the CUDA-core kernels (launches of <= 8 rows) on
-    this shape: measured from 2 rows on weights of >= 2^25 / nb values (docs/kernels.md)."""
-    return kind in TC_KINDS and 2 <= nb <= TC_ROWS and out * inn * nb >= 1 << 25
+    this shape: measured from 2 rows on weights of >= 2^25 / nb values (docs/kernels.md); BF16 (in % 32
+    == 0) from 3 rows (at 2 it ties the CUDA cores: 0.95-0.98x on the 8B shapes)."""
+    return tc_takes(kind, inn) and (3 if kind == "bf16" else 2) <= nb <= TC_ROWS and out * inn * nb >= 1 << 25
 
 
 def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
@@ -301,6 +307,44 @@ def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
     return NT, (tiles, ks), bps, smem
 
 
+BF16_TC_K = 32                            # k a chunk of gemv_bf16_tc (in % 32 == 0)
+
+
+@dataclass(frozen=True)
+class Bf16TcConfig:
+    """gemv_bf16_tc's shape: MT m-tiles (16 rows) per warp, W warps per CTA, `ctas` the grid it aims at
+    (split-K adds slices until the row tiles fill it)."""
+    MT: int = 2
+    W: int = 4
+    ctas: int = 528
+
+
+def bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
+    """The measured best (tools/bench_gemv_tc.py --bf16, H200, 2026-12-04, docs/kernels.md): two m-tiles a
+    warp and 4 warps, a 528-CTA grid; the output head up to 8 rows one m-tile a warp and 8 warps (128256 x
+    4096: 308 against 323 us); a 264-CTA grid for narrow matrices (in < 1024: 49152 x 576 19.7 against
+    24.8 us) and for wide ones past 8 rows (14336 x 4096 at 16 rows: 53.6 against 67.2 us)."""
+    if out >= 65536 and nb <= 8:
+        return Bf16TcConfig(MT=1, W=8)
+    if inn < 1024 or (nb > 8 and out > inn and out < 65536):
+        return Bf16TcConfig(ctas=264)
+    return Bf16TcConfig()
+
+
+def bf16_tc_launch_shape(out: int, inn: int, nb: int, cfg: Bf16TcConfig = Bf16TcConfig()):
+    """(NT, tiles, KS, chunks per slice) of a gemv_bf16_tc launch of nb rows."""
+    if not 1 <= nb <= TC_ROWS:
+        raise ValueError(f"gemv_bf16_tc: {nb} activation rows; a launch takes 1..{TC_ROWS}")
+    if inn % BF16_TC_K:
+        raise ValueError(f"gemv_bf16_tc: in = {inn}, a multiple of {BF16_TC_K} needed")
+    NT = 1 if nb <= 8 else 2
+    nch = inn // BF16_TC_K
+    tiles = -(-out // (16 * cfg.MT * cfg.W))
+    ks = max(1, min(nch, -(-cfg.ctas // tiles)))
+    cps = -(-nch // ks)
+    return NT, tiles, -(-nch // cps), cps
+
+
 TC_MEMBERS = 3                            # matrices a tensor-core launch takes (q, k, v; gate, up)
 
 
@@ -322,7 +366,7 @@ class TcGroup:
     @staticmethod
     def shapes_of(lins, nb: int, cfg: TcConfig | None = None):
         """(each member's TcConfig, each member's tc_launch_shape); ValueError where they cannot be one launch."""
-        if not 1 <= len(lins) <= TC_MEMBERS or any(L.kind not in TC_KINDS or L.experts for L in lins) \
+        if not 1 <= len(lins) <= TC_MEMBERS or any(L.kind != "nvfp4_ggml" or L.experts for L in lins) \
                 or len({L.inn for L in lins}) != 1:
             raise ValueError(f"gemv_tc: 1..{TC_MEMBERS} GGML NVFP4 matrices of one width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
@@ -475,18 +519,38 @@ class Linear:
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
 
-    def tc_need(self, nb: int, cfg: TcConfig | None = None) -> tuple[int, int]:
+    def tc_need(self, nb: int, cfg=None) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
+        if self.kind == "bf16":
+            _, tiles, ks, _ = bf16_tc_launch_shape(self.out, self.inn, nb, cfg or bf16_tc_config(self.out, self.inn, nb))
+            return (max(1, ks * nb * self.out) if ks > 1 else 1), tiles
         return TcGroup([self], nb, cfg).need()
 
-    def tc_kernel(self, nb: int, cfg: TcConfig | None = None):
+    def tc_kernel(self, nb: int, cfg=None):
+        if self.kind == "bf16":
+            cfg = cfg or bf16_tc_config(self.out, self.inn, nb)
+            NT = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)[0]
+            key = ("bf16tc", NT, cfg)
+            if key not in self._kern:
+                self._kern[key] = cu.kernel("gemv_tc", f"gemv_bf16_tc<{cfg.MT}, {cfg.W}, {NT}>")
+            return self._kern[key]
         return TcGroup([self], nb, cfg).kernel()
 
-    def launch_tc(self, x, y, nb: int, accumulate: bool = False, part=None, sem=None, cfg: TcConfig | None = None):
-        """y[:nb] = W x[:nb] (+ y) on the tensor cores, the weight read once for the nb rows (GGML
-        NVFP4). part / sem: scratch of tc_need's sizes (float32 / int32, sem all zero: every launch
-        leaves it so); made here when not given (not inside a graph capture)."""
-        TcGroup([self], nb, cfg).launch(x, [y], accumulate, part, sem)
+    def launch_tc(self, x, y, nb: int, accumulate: bool = False, part=None, sem=None, cfg=None):
+        """y[:nb] = W x[:nb] (+ y) on the tensor cores, the weight read once for the nb rows (GGML NVFP4:
+        gemv_nvfp4_tc; BF16: gemv_bf16_tc). part / sem: scratch of tc_need's sizes (float32 / int32, sem
+        all zero: every launch leaves it so); made here when not given (not inside a graph capture)."""
+        if self.kind != "bf16":
+            TcGroup([self], nb, cfg).launch(x, [y], accumulate, part, sem)
+            return
+        cfg = cfg or bf16_tc_config(self.out, self.inn, nb)
+        _, tiles, ks, cps = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)
+        if part is None or sem is None:
+            pf, si = self.tc_need(nb, cfg)
+            part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
+        i32 = cp.int32
+        args = (self.w, x, y, part, sem, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)), i32(cps), i32(ks))
+        self._go(self.tc_kernel(nb, cfg), (tiles * ks,), (32 * cfg.W,), args)
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1

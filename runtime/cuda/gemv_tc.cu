@@ -156,6 +156,53 @@ __device__ __forceinline__ void mma_staged(float (&d)[MT][NT][4], const u8 *st, 
   }
 }
 
+// The split-K ending (after a CTA has written its partial sums, slice ks of this launch's [KS, nb, out] in
+// `part`): the last CTA of the row tile to arrive (a counter per tile in `sem`, left at 0 for the next launch)
+// adds the KS slices in ks order (deterministic), times s, into y (+ y). Four rows a thread and eight slices'
+// loads in flight where out % 4 == 0 and part, y are 16-byte aligned (one float and one slice at a time, the
+// sum was 20-40% of a 16-row launch). NTH: the CTA's threads.
+template <int RT, int NTH>
+__device__ __forceinline__ void splitk_finish(const float *part, int *sem, float *y, int tile, int out, int nb, int KS,
+                                              int add, float s, int *last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last = atomicAdd(sem + tile, 1) == KS - 1;
+  __syncthreads();
+  if (!*last) return;
+  __threadfence();
+  const int row0 = tile * RT;
+  if ((out & 3) == 0 && ((size_t)part & 15) == 0 && ((size_t)y & 15) == 0) {
+    constexpr int R4 = RT / 4;
+    for (int i = threadIdx.x; i < nb * R4; i += NTH) {
+      const int b = i / R4, row = row0 + 4 * (i - b * R4);
+      if (row < out) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+        for (int k = 0; k < KS; k++) {
+          const float4 t = __ldcg(reinterpret_cast<const float4 *>(part + ((size_t)k * nb + b) * out + row));
+          v.x += t.x; v.y += t.y; v.z += t.z; v.w += t.w;
+        }
+        float4 *p = reinterpret_cast<float4 *>(y + (size_t)b * out + row);
+        float4 r = make_float4(v.x * s, v.y * s, v.z * s, v.w * s);
+        if (add) { const float4 o = *p; r.x = o.x + r.x; r.y = o.y + r.y; r.z = o.z + r.z; r.w = o.w + r.w; }
+        *p = r;
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < nb * RT; i += NTH) {
+      const int b = i / RT, row = row0 + i % RT;
+      if (row < out) {
+        float v = 0.f;
+        for (int k = 0; k < KS; k++) v += __ldcg(part + ((size_t)k * nb + b) * out + row);
+        v *= s;
+        float *p = y + (size_t)b * out + row;
+        *p = add ? *p + v : v;
+      }
+    }
+  }
+  if (threadIdx.x == 0) sem[tile] = 0;
+}
+
 template <int MT, int W, int NT, int U, int NS>
 __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W0, const u8 *__restrict__ W1,
     const u8 *__restrict__ W2, const float *__restrict__ sc0, const float *__restrict__ sc1,
@@ -185,7 +232,6 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   float *y = m == 0 ? y0 : m == 1 ? y1 : y2;
   const int bps = m == 0 ? bps0 : m == 1 ? bps1 : bps2;
   part += poff; sem += soff;
-  const bool a4 = (out & 3) == 0 && ((size_t)part & 15) == 0 && ((size_t)y & 15) == 0;   // the sums by float4
   const int tile = bx % tl, ks = bx / tl;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nblk = in >> 6, rowbytes = nblk * 36;
@@ -326,42 +372,131 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
         if (row < out) part[((size_t)ks * nb + b) * out + row] = (d[mt][nt][2 * hh] + d[mt][nt][2 * hh + 1]) * xinv[b];
       }
     }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(sem + tile, 1) == KS - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int R = RT, row0 = tile * R;
-  if (a4) {                                          // four rows a thread, 8 slices' loads in flight
-    constexpr int R4 = RT / 4;
-    for (int i = threadIdx.x; i < nb * R4; i += W * 32) {
-      const int b = i / R4, row = row0 + 4 * (i - b * R4);
-      if (row < out) {
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-        for (int k = 0; k < KS; k++) {
-          const float4 t = __ldcg(reinterpret_cast<const float4 *>(part + ((size_t)k * nb + b) * out + row));
-          v.x += t.x; v.y += t.y; v.z += t.z; v.w += t.w;
-        }
-        float4 *p = reinterpret_cast<float4 *>(y + (size_t)b * out + row);
-        float4 r = make_float4(v.x * s2, v.y * s2, v.z * s2, v.w * s2);
-        if (add) { const float4 o = *p; r.x = o.x + r.x; r.y = o.y + r.y; r.z = o.z + r.z; r.w = o.w + r.w; }
-        *p = r;
+  splitk_finish<RT, W * 32>(part, sem, y, tile, out, nb, KS, add, s2, &last);
+}
+
+// ---- BF16 weights (the output heads and embeddings ModelOpt leaves unquantized) -------------------------
+//
+//   y[b, row] = (add ? y[b, row] : 0) + sum_k x[b, k] * W[row, k],   b < nb <= 8 * NT
+//
+// W: bf16 bits [out, in] row-major (in % 32 == 0); x, y float32 as above. mma.sync m16n8k16 bf16, float32
+// accumulate, the weight as it is stored (A) and x = hi + mid + lo, three bf16 (round to nearest each: ~24
+// bits), each its own mma (B), so the products are exact and the sum float32. Column n of n-tile nt is batch
+// row 8 nt + n. Lane (g, c) loads 8 consecutive weights of rows g and g + 8 of each m-tile (16 bytes each)
+// and the same 8 k of x's batch row 8 nt + g; its data words are its A registers: word 2j holds k 8c + 4j,
+// + 1 (the mma's k 2c, 2c + 1), word 2j + 1 holds k 8c + 4j + 2, + 3 (its k 2c + 8, 2c + 9), for the two
+// mmas j of a 32-k chunk (the dot product does not care which k meets which, only that A and B agree). Each
+// warp streams MT m-tiles over its k-slice (cps chunks), the next chunk's weights and x in flight while one
+// goes through the tensor cores; x is read through L1 (every warp of a CTA reads the same chunk). KS > 1:
+// split-K as above (splitk_finish). PDL: the first chunk's weights are loaded before the wait, x after it.
+template <int MT, int NT> struct Bf16Chunk { uint4 wa[MT], wb[MT]; float4 x[NT][2]; };
+
+template <int MT, int NT>
+__device__ __forceinline__ void bf16_load_w(Bf16Chunk<MT, NT> &q, const u16 *const (&pa)[MT], const u16 *const (&pb)[MT],
+                                            int i) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    q.wa[mt] = __ldg(reinterpret_cast<const uint4 *>(pa[mt] + 32 * i));
+    q.wb[mt] = __ldg(reinterpret_cast<const uint4 *>(pb[mt] + 32 * i));
+  }
+}
+template <int MT, int NT>
+__device__ __forceinline__ void bf16_load_x(Bf16Chunk<MT, NT> &q, const float *const (&xr)[NT], int i) {
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    const float4 *p = reinterpret_cast<const float4 *>(xr[nt] + 32 * i);
+    q.x[nt][0] = p[0]; q.x[nt][1] = p[1];
+  }
+}
+template <int MT, int NT>
+__device__ __forceinline__ void bf16_mma(float (&d)[MT][NT][4], const Bf16Chunk<MT, NT> &q, const bool (&xok)[NT]) {
+  u32 xp[NT][3][4];                                  // [n-tile][part][pair k (2e, 2e + 1)]
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    const float v[8] = {q.x[nt][0].x, q.x[nt][0].y, q.x[nt][0].z, q.x[nt][0].w,
+                        q.x[nt][1].x, q.x[nt][1].y, q.x[nt][1].z, q.x[nt][1].w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      float a = xok[nt] ? v[2 * e] : 0.f, b = xok[nt] ? v[2 * e + 1] : 0.f;
+#pragma unroll
+      for (int pt = 0; pt < 3; pt++) {
+        const u32 h = bf16x2_rn(a, b);
+        xp[nt][pt][e] = h;
+        a -= bflo(h); b -= bfhi(h);
       }
     }
-    if (threadIdx.x == 0) sem[tile] = 0;
-    return;
   }
-  for (int i = threadIdx.x; i < nb * R; i += W * 32) {
-    const int b = i / R, row = row0 + i % R;
-    if (row < out) {
-      float v = 0.f;
-      for (int k = 0; k < KS; k++) v += __ldcg(part + ((size_t)k * nb + b) * out + row);
-      v *= s2;
-      float *p = y + (size_t)b * out + row;
-      *p = add ? *p + v : v;
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    const u32 wa[4] = {q.wa[mt].x, q.wa[mt].y, q.wa[mt].z, q.wa[mt].w};
+    const u32 wb[4] = {q.wb[mt].x, q.wb[mt].y, q.wb[mt].z, q.wb[mt].w};
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      const u32 A[4] = {wa[2 * j], wb[2 * j], wa[2 * j + 1], wb[2 * j + 1]};
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int pt = 0; pt < 3; pt++) mma_bf16(d[mt][nt], A, xp[nt][pt][2 * j], xp[nt][pt][2 * j + 1]);
     }
   }
-  if (threadIdx.x == 0) sem[tile] = 0;
+}
+
+template <int MT, int W, int NT>
+__global__ void __launch_bounds__(W * 32) gemv_bf16_tc(const u16 *__restrict__ Wt, const float *x, float *y, float *part,
+                                                        int *sem, int out, int in, int nb, int add, int cps, int KS) {
+  __shared__ int last;
+  grid_dep_launch();
+  constexpr int RT = 16 * MT * W;
+  const int tl = (out + RT - 1) / RT, tile = blockIdx.x % tl, ks = blockIdx.x / tl;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int c0 = ks * cps, cn = min(cps, (in >> 5) - c0);
+  const int rbase = (tile * W + warp) * 16 * MT;
+  const u16 *pa[MT], *pb[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    pa[mt] = Wt + (size_t)min(rbase + 16 * mt + g, out - 1) * in + 32 * c0 + 8 * c;
+    pb[mt] = Wt + (size_t)min(rbase + 16 * mt + g + 8, out - 1) * in + 32 * c0 + 8 * c;
+  }
+  const float *xr[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    xok[nt] = 8 * nt + g < nb;
+    xr[nt] = x + (size_t)min(8 * nt + g, nb - 1) * in + 32 * c0 + 8 * c;
+  }
+  Bf16Chunk<MT, NT> qa, qb;
+  if (cn > 0) bf16_load_w(qa, pa, pb, 0);
+  grid_dep_wait();                                   // x, y, part and sem from here on
+  float d[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) d[mt][nt][q] = 0.f;
+  if (cn > 0) bf16_load_x(qa, xr, 0);
+  for (int i = 0; i < cn; i += 2) {
+    if (i + 1 < cn) { bf16_load_w(qb, pa, pb, i + 1); bf16_load_x(qb, xr, i + 1); }
+    bf16_mma(d, qa, xok);
+    if (i + 1 >= cn) break;
+    if (i + 2 < cn) { bf16_load_w(qa, pa, pb, i + 2); bf16_load_x(qa, xr, i + 2); }
+    bf16_mma(d, qb, xok);
+  }
+  // thread (g, c) holds rows g (d0, d1) and g + 8 (d2, d3) of each m-tile, batch rows 8 nt + 2c, + 1
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const int row = rbase + 16 * mt + g + 8 * (q >> 1), b = 8 * nt + 2 * c + (q & 1);
+        if (row >= out || b >= nb) continue;
+        if (KS == 1) {
+          float *p = y + (size_t)b * out + row;
+          *p = add ? *p + d[mt][nt][q] : d[mt][nt][q];
+        } else {
+          part[((size_t)ks * nb + b) * out + row] = d[mt][nt][q];
+        }
+      }
+  if (KS > 1) splitk_finish<RT, W * 32>(part, sem, y, tile, out, nb, KS, add, 1.0f, &last);
 }
