@@ -40,14 +40,6 @@ __device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
   h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
   h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
 }
-// a pair of scaled x values as f16x2: their high parts, or (part 1) what the high parts leave
-__device__ __forceinline__ u32 split2(float a, float b, int part) {
-  const u32 h = f2h2(a, b);
-  if (!part) return h;
-  float ha, hb;
-  h2f2(h, ha, hb);
-  return f2h2(a - ha, b - hb);
-}
 
 // U blocks of MT m-tiles' weights: thread (g, c) reads sub-block c (data words 2c, 2c+1 at byte 4 + 8c,
 // scale byte c) of rows g and g + 8 of each m-tile (blocks past the slice re-read its last block)
@@ -303,8 +295,8 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
       if (b < nb) {
         const float s = xscale[b];
         const float4 v0 = v[q][0], v1 = v[q][1];
-        r.x = split2(v0.x * s, v0.y * s, pt); r.y = split2(v0.z * s, v0.w * s, pt);
-        r.z = split2(v1.x * s, v1.y * s, pt); r.w = split2(v1.z * s, v1.w * s, pt);
+        r.x = f16_part2(v0.x * s, v0.y * s, pt); r.y = f16_part2(v0.z * s, v0.w * s, pt);
+        r.z = f16_part2(v1.x * s, v1.y * s, pt); r.w = f16_part2(v1.z * s, v1.w * s, pt);
       }
       xs[i] = r;
     }

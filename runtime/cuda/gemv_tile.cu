@@ -58,15 +58,6 @@ __device__ __forceinline__ void tile_b(u32 q, u32 &o0, u32 &o1, u32 &o2, u32 &o3
   o3 = rotr(q, 9) & (TILE_SIGN | TILE_MAG);
 }
 
-// a pair of scaled x values as f16x2: their high parts, or (part 1) what the high parts leave
-__device__ __forceinline__ u32 split2(float a, float b, int part) {
-  const u32 h = f2h2(a, b);
-  if (!part) return h;
-  float ha, hb;
-  h2f2(h, ha, hb);
-  return f2h2(a - ha, b - hb);
-}
-
 // One k-step of a warp: its 8 n-tiles' B fragments from one word quad and 8 scale bytes, times the MT
 // m-tiles of x.
 template <int MT>
@@ -199,7 +190,7 @@ __global__ void __launch_bounds__(W * 32) gemv_tile(
         v.x *= w[0]; v.y *= w[1]; v.z *= w[8]; v.w *= w[9];
       }
       v.x *= f; v.y *= f; v.z *= f; v.w *= f;
-      *slot = make_uint4(split2(v.x, v.y, 0), split2(v.x, v.y, 1), split2(v.z, v.w, 0), split2(v.z, v.w, 1));
+      *slot = make_uint4(f16_part2(v.x, v.y, 0), f16_part2(v.x, v.y, 1), f16_part2(v.z, v.w, 0), f16_part2(v.z, v.w, 1));
     }
   }
   __syncthreads();

@@ -42,6 +42,15 @@ __device__ __forceinline__ u32 f2h2(float lo, float hi) {     // lo -> the low h
   u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// a pair of floats as f16x2: their high parts (part 0), or what the high parts leave (part 1): a = hi + lo to
+// ~22 bits where |a| is scaled into f16's range (the tensor-core GEMVs' x, gemv_tc.cu and gemv_tile.cu)
+__device__ __forceinline__ u32 f16_part2(float a, float b, int part) {
+  const u32 h = f2h2(a, b);
+  if (!part) return h;
+  float ha, hb;
+  h2f2(h, ha, hb);
+  return f2h2(a - ha, b - hb);
+}
 
 // ---- bf16 ----
 // (lo, hi) -> a packed bf16 pair, each rounded to nearest even
