@@ -391,17 +391,6 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
 // x's high f16 part, column 1 the low part (x = hi + lo to ~22 bits; x scaled by a power of two so
 // |x| < 2^15, undone at the end): staged once per CTA in shared memory. Products are exact; the
 // tensor cores accumulate in float32 across the whole row. ----
-__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// one data word's 8 values (scaled) as the f16x2 pairs (el 0,1), (el 2,3) of its low nibbles, then of its high
-__device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
-  const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
-  h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
-  h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
-}
 
 template <int WARPS>
 __global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restrict__ W, const float *__restrict__ sc,
@@ -459,10 +448,10 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_nvfp4_mma(const u8 *__restric
       nvfp4_word_h2(wa[u][0], s2a, A0); nvfp4_word_h2(wa[u][1], s2a, A1);
       nvfp4_word_h2(wb[u][0], s2b, B0); nvfp4_word_h2(wb[u][1], s2b, B1);
       // word 0 low: elements 0..3 (off 0); word 0 high: 8..11 (off 8); word 1 low: 4..7; word 1 high: 12..15
-      mma16816(d, A0[0], B0[0], A0[1], B0[1], q0.x, q0.y);
-      mma16816(d, A0[2], B0[2], A0[3], B0[3], q1.x, q1.y);
-      mma16816(d, A1[0], B1[0], A1[1], B1[1], q0.z, q0.w);
-      mma16816(d, A1[2], B1[2], A1[3], B1[3], q1.z, q1.w);
+      mma_f16(d, A0[0], B0[0], A0[1], B0[1], q0.x, q0.y);
+      mma_f16(d, A0[2], B0[2], A0[3], B0[3], q1.x, q1.y);
+      mma_f16(d, A1[0], B1[0], A1[1], B1[1], q0.z, q0.w);
+      mma_f16(d, A1[2], B1[2], A1[3], B1[3], q1.z, q1.w);
     }
   }
   if (c == 0) { red[warp][g] = d[0] + d[1]; red[warp][g + 8] = d[2] + d[3]; }   // column 0 (hi) + 1 (lo)

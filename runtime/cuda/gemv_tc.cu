@@ -28,18 +28,6 @@
 #include "numerics.cuh"
 #include "pdl.cuh"
 
-__device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// one data word's 8 values times the sub-block scale, as f16x2: (el 0,1), (el 2,3) of its low nibbles,
-// then of its high nibbles
-__device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
-  const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
-  h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
-  h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
-}
 
 // U blocks of MT m-tiles' weights: thread (g, c) reads sub-block c (data words 2c, 2c+1 at byte 4 + 8c,
 // scale byte c) of rows g and g + 8 of each m-tile (blocks past the slice re-read its last block)
@@ -84,10 +72,10 @@ __device__ __forceinline__ void mma_chunk(float (&d)[MT][NT][4], const Chunk<MT,
         // k slots of the four mmas: elements 0..3, 8..11, 4..7, 12..15 of the sub-block
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-          mma16816(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
-          mma16816(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
-          mma16816(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
-          mma16816(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
+          mma_f16(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
+          mma_f16(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
+          mma_f16(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
+          mma_f16(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
         }
       }
     }
@@ -139,10 +127,10 @@ __device__ __forceinline__ void mma_staged(float (&d)[MT][NT][4], const u8 *st, 
       nvfp4_word_h2(wb0, s2b, B0); nvfp4_word_h2(wb1, s2b, B1);
 #pragma unroll
       for (int nt = 0; nt < NT; nt++) {
-        mma16816(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
-        mma16816(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
-        mma16816(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
-        mma16816(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
+        mma_f16(d[mt][nt], A0[0], B0[0], A0[1], B0[1], q0[nt].x, q0[nt].y);
+        mma_f16(d[mt][nt], A0[2], B0[2], A0[3], B0[3], q1[nt].x, q1[nt].y);
+        mma_f16(d[mt][nt], A1[0], B1[0], A1[1], B1[1], q0[nt].z, q0[nt].w);
+        mma_f16(d[mt][nt], A1[2], B1[2], A1[3], B1[3], q1[nt].z, q1[nt].w);
       }
     }
   }

@@ -41,11 +41,6 @@ __device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
 
 __device__ __forceinline__ u32 rotr(u32 q, u32 r) { u32 d; asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(q), "r"(r)); return d; }
 __device__ __forceinline__ u32 prmt(u32 a, u32 sel) { u32 d; asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel)); return d; }
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint4 &a, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-}
 
 // The four f16x2 registers of a layout word: o_k = (rotr(q, a_k) & signs) | (rotr(q, b_k) & magnitudes) with
 // (a, b) = (0, 0), (1, 3), (2, 12), (9, 9): the 32 bits of q are each used once (gemv_tile.py ROT).
@@ -73,8 +68,8 @@ __device__ __forceinline__ void tile_step(float (&d)[8][MT][4], const uint4 &w, 
     const u32 b00 = hmul2(o0, sa), b01 = hmul2(o1, sa), b10 = hmul2(o2, sb), b11 = hmul2(o3, sb);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-      mma16816(d[2 * j][mt], a[mt], b00, b01);
-      mma16816(d[2 * j + 1][mt], a[mt], b10, b11);
+      mma_f16(d[2 * j][mt], a[mt].x, a[mt].y, a[mt].z, a[mt].w, b00, b01);
+      mma_f16(d[2 * j + 1][mt], a[mt].x, a[mt].y, a[mt].z, a[mt].w, b10, b11);
     }
   }
 }

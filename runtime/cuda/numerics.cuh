@@ -42,6 +42,13 @@ __device__ __forceinline__ u32 f2h2(float lo, float hi) {     // lo -> the low h
   u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// one GGML NVFP4 data word's 8 values times the sub-block scale s2 (f16x2), as f16x2: (el 0,1), (el 2,3) of
+// its low nibbles, then of its high nibbles (e2m1 * E4M3 * 2^-6 is exact in f16)
+__device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
+  const u32 lo = lo_nib_e4m3(w), hi = hi_nib_e4m3(w);
+  h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
+  h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
+}
 // a pair of floats as f16x2: their high parts (part 0), or what the high parts leave (part 1): a = hi + lo to
 // ~22 bits where |a| is scaled into f16's range (the tensor-core GEMVs' x, gemv_tc.cu and gemv_tile.cu)
 __device__ __forceinline__ u32 f16_part2(float a, float b, int part) {
@@ -63,6 +70,12 @@ __device__ __forceinline__ float bflo(unsigned v) { return __uint_as_float(v << 
 __device__ __forceinline__ float bfhi(unsigned v) { return __uint_as_float(v & 0xFFFF0000u); }
 
 // ---- tensor cores ----
+// mma.sync m16n8k16, f16 in, float32 accumulate (d += A B; A four f16x2 registers, B two)
+__device__ __forceinline__ void mma_f16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"
