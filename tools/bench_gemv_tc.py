@@ -171,10 +171,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    if args.groups:
-        return 1 if bench_groups(args.rows, bw) else 0
-    if args.bf16:
-        return 1 if bench_bf16(args.rows, bw) else 0
+    if args.groups or args.bf16:
+        failures = (bench_groups(args.rows, bw) if args.groups else 0) + (bench_bf16(args.rows, bw) if args.bf16 else 0)
+        return 1 if failures else 0
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
     res, failures = [], []
