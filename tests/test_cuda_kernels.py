@@ -398,8 +398,8 @@ def test_gemv_tc_group_refusals():
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (130, 320), (576, 1536), (1536, 576), (257, 4096), (300, 14336)])
 def test_gemv_bf16_tc_matches_float64(shape, cfg):
     """gemv_bf16_tc (BF16 weights, several rows on the tensor cores, x in three bf16 parts; split-K where the
-    row tiles are few; cfg None: gemv.bf16_tc_config's choice at each row count): every batch size, accumulate, large and zero activations, bit-identical repeats,
-    tile counters left at zero."""
+    row tiles are few; cfg None: gemv.bf16_tc_config's choice at each row count): every batch size,
+    accumulate, large and zero activations, bit-identical repeats, tile counters left at zero."""
     rng = np.random.default_rng(zlib.crc32(repr(("bf16tc", shape)).encode()))
     W, arrays = artifact("bf16", shape, rng)
     lin = G.Linear("bf16", shape, {k: cp.asarray(v) for k, v in arrays.items()})

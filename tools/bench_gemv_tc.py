@@ -150,7 +150,7 @@ def bench_bf16(rows, bw) -> int:
                 + "  ".join(f"{c.MT}/{c.W}/{c.ctas} {rec[repr(c)]:7.2f}" for c in BF16_VARIANTS))
         del lins
         cp.get_default_memory_pool().free_all_blocks()
-    log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; GB/s = weight bytes once / time)")
+    log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; % copy counts the weight bytes once)")
     log("| out x in | rows | CUDA cores | prompt GEMM | tensor cores (bf16_tc_config) | best (MT/W/ctas) | % copy (best) | cores / best |")
     log("|---|---|---|---|---|---|---|---|")
     for r in table:

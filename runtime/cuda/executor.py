@@ -502,15 +502,24 @@ class CudaExecutor:
         if (rows > GEMV_ROWS and prog != "verify") or lin.experts or lin.mma or lin.kind not in G.GROUP_KINDS \
                 or lin.config:
             return False
-        if prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn):
-            return not (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows))
+        if self._tc_path(prog, lin, rows):
+            return not self._tc_wins(lin, rows)
         return True
 
-    def _tensor_cores(self, prog: str, lin, rows: int) -> bool:
-        """Whether _gemv runs this linear's rows on the tensor-core GEMV (decode steps of up to 16 rows, GGML
-        NVFP4, where gemv.tc_wins or BLOOMERY_DECODE_TC=on)."""
+    def _tc_path(self, prog: str, lin, rows: int) -> bool:
+        """Whether _gemv takes its tensor-core branch for this linear (decode steps of up to 16 rows of a kind a
+        tensor-core GEMV reads, BLOOMERY_DECODE_TC not off); each launch of it then runs there where _tc_wins."""
         return (prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn) and not lin.experts
-                and rows <= G.TC_ROWS and (self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)))
+                and rows <= G.TC_ROWS)
+
+    def _tc_wins(self, lin, rows: int) -> bool:
+        """Whether a launch of `rows` rows of this linear runs on the tensor cores (gemv.tc_wins, or
+        BLOOMERY_DECODE_TC=on)."""
+        return self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)
+
+    def _tensor_cores(self, prog: str, lin, rows: int) -> bool:
+        """Whether _gemv runs this linear's rows on the tensor-core GEMV (one launch of up to 16 rows)."""
+        return self._tc_path(prog, lin, rows) and self._tc_wins(lin, rows)
 
     def _tc_group_size(self, ops, i, rows: int, prog: str) -> int:
         """How many consecutive linears from ops[i] run as one tensor-core launch (gemv.TcGroup; 0: ops[i] is
@@ -683,15 +692,13 @@ class CudaExecutor:
         format has a decoder."""
         self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
         steps = []
-        tc = (prog == "decode" and self.tc_mode != "off" and G.tc_takes(lin.kind, lin.inn) and not lin.experts
-              and rows <= G.TC_ROWS)                    # more slots: the prompt GEMM (measured faster at 64)
-        if tc and lin.kind == "bf16" and rows > GEMV_ROWS:
-            tc = self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, rows)
-        if tc:
+        # more slots: the prompt GEMM (measured faster at 64); BF16 past 8 rows where the tensor cores do not win
+        # stays on it too (as before they took BF16)
+        if self._tc_path(prog, lin, rows) and not (lin.kind == "bf16" and rows > GEMV_ROWS and not self._tc_wins(lin, rows)):
             for g in range(0, rows, G.TC_ROWS):         # decode rows (slots): the weight read once for them
                 nb = min(G.TC_ROWS, rows - g)
                 xv, yv = x[g:g + nb], y[g:g + nb]
-                if self.tc_mode == "on" or G.tc_wins(lin.kind, lin.out, lin.inn, nb):
+                if self._tc_wins(lin, nb):
                     pf, si = lin.tc_need(nb)
                     part, sem = self._pool("gemv_tc_part", (pf,)), self._pool("gemv_tc_sem", (si,), np.int32)
                     lin.tc_kernel(nb)                    # compiled now, not inside the capture

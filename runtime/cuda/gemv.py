@@ -523,7 +523,7 @@ class Linear:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
         if self.kind == "bf16":
             _, tiles, ks, _ = bf16_tc_launch_shape(self.out, self.inn, nb, cfg or bf16_tc_config(self.out, self.inn, nb))
-            return (max(1, ks * nb * self.out) if ks > 1 else 1), tiles
+            return (ks * nb * self.out if ks > 1 else 1), tiles
         return TcGroup([self], nb, cfg).need()
 
     def tc_kernel(self, nb: int, cfg=None):

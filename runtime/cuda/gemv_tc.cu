@@ -21,13 +21,20 @@
 // fragment half), read by all W warps. With KS > 1 each CTA writes its partial sums to its member's
 // [KS, nb, out] of `part` (the members' one after another); the last CTA of a row tile to arrive (a
 // counter per tile in `sem`, the members' one after another, left at 0 for the next launch) adds them in
-// ks order: deterministic (four rows a thread and eight slices' loads in flight where out % 4 == 0 and
-// part, y are 16-byte aligned: that sum was 20-40% of a 16-row launch one row at a time). Programmatic dependent launch (pdl.cuh): the first weights are in flight
-// before the wait for the kernel before; x is read after it.
+// ks order: deterministic (splitk_finish). Programmatic dependent launch (pdl.cuh): the first weights are
+// in flight before the wait for the kernel before; x is read after it.
 
 #include "numerics.cuh"
 #include "pdl.cuh"
 
+template <int MT, int NT> __device__ __forceinline__ void zero_acc(float (&d)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) d[mt][nt][q] = 0.f;
+}
 
 // U blocks of MT m-tiles' weights: thread (g, c) reads sub-block c (data words 2c, 2c+1 at byte 4 + 8c,
 // scale byte c) of rows g and g + 8 of each m-tile (blocks past the slice re-read its last block)
@@ -294,12 +301,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   // 3. the warp's MT m-tiles over the slice, two register buffers of U blocks: one in flight while
   //    the other goes through the tensor cores
   float d[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) d[mt][nt][q] = 0.f;
+  zero_acc(d);
   if constexpr (NS > 0) {
     static_assert(U == 4, "a staged chunk is 4 blocks");
     for (int ch = 0; ch < nch; ch++) {
@@ -355,7 +357,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   splitk_finish<RT, W * 32>(part, sem, y, tile, out, nb, KS, add, s2, &last);
 }
 
-// ---- BF16 weights (the output heads and embeddings ModelOpt leaves unquantized) -------------------------
+// ---- BF16 weights (the output heads ModelOpt leaves unquantized, tied embeddings included) ----------------
 //
 //   y[b, row] = (add ? y[b, row] : 0) + sum_k x[b, k] * W[row, k],   b < nb <= 8 * NT
 //
@@ -448,12 +450,7 @@ __global__ void __launch_bounds__(W * 32) gemv_bf16_tc(const u16 *__restrict__ W
   if (cn > 0) bf16_load_w(qa, pa, pb, 0);
   grid_dep_wait();                                   // x, y, part and sem from here on
   float d[MT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) d[mt][nt][q] = 0.f;
+  zero_acc(d);
   if (cn > 0) bf16_load_x(qa, xr, 0);
   for (int i = 0; i < cn; i += 2) {
     if (i + 1 < cn) { bf16_load_w(qb, pa, pb, i + 1); bf16_load_x(qb, xr, i + 1); }
