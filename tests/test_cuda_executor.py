@@ -171,14 +171,17 @@ def test_cuda_bf16_prefill(name, monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
+@pytest.mark.parametrize("xg", ["off", "on"])
 @pytest.mark.parametrize("name", ["tiny-llama/nvfp4", "tiny-qwen3_moe/nvfp4"])
-def test_cuda_decode_slots_tensor_cores(name, monkeypatch):
+def test_cuda_decode_slots_tensor_cores(name, xg, monkeypatch):
     """Decode steps of 5 slots with the tensor-core GEMV forced on (BLOOMERY_DECODE_TC=on: every GGML
-    NVFP4 decode linear, 5 rows in one launch) against the NumPy executor: each slot fed its own
-    prompt, then 12 greedy steps with one slot idle half the time; logits within the band, same tokens."""
+    NVFP4 decode linear, 5 rows in one launch; BLOOMERY_TC_XG: x's fragments made by each CTA or once)
+    against the NumPy executor: each slot fed its own prompt, then 12 greedy steps with one slot idle
+    half the time; logits within the band, same tokens."""
     import numpy as np
     from runtime_artifacts import rel
     monkeypatch.setenv("BLOOMERY_DECODE_TC", "on")
+    monkeypatch.setenv("BLOOMERY_TC_XG", xg)
     art = artifact(name)
     cu = runtime.Engine(art, device="cuda", ctx=96, slots=5, ubatch=16)
     assert cu.exec.tc_mode == "on"

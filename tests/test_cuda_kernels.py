@@ -293,7 +293,8 @@ def test_gemv_nvfp4_tensor_cores(shape):
 
 
 @pytest.mark.parametrize("cfg", [G.TcConfig(), G.TcConfig(MT=1, W=8, U=2, ctas=132, min_blocks=1), G.TcConfig(NS=3),
-                                 G.TcConfig(NS=2, MT=1, W=8, ctas=528)])
+                                 G.TcConfig(NS=2, MT=1, W=8, ctas=528), G.TcConfig(NS=2, MT=1, W=8, ctas=264, xg=True),
+                                 G.TcConfig(ctas=528, xg=True)])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 128), (130, 320), (576, 1536), (1536, 576), (257, 4096),
                                    (1024, 4096), (300, 14336)])
 def test_gemv_tc_matches_float64(shape, cfg):
@@ -326,21 +327,22 @@ def test_gemv_tc_matches_float64(shape, cfg):
     assert (ys[0] == ys[1]).all(), "two launches differ: the reduction is not deterministic"
 
 
+@pytest.mark.parametrize("cfg", [None, G.TcConfig(NS=2, MT=1, W=8, ctas=264, xg=True)])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("outs, inn", [((4096, 1024, 1024), 4096), ((320, 64, 130), 1536), ((14336, 14336), 4096),
                                        ((257, 7), 128)])
-def test_gemv_tc_group_is_each_member_alone(outs, inn, pdl):
+def test_gemv_tc_group_is_each_member_alone(outs, inn, pdl, cfg):
     """gemv.TcGroup (q, k, v or gate, up in one tensor-core launch): each member's rows bit for bit what a
     launch of it alone computes, at every batch size, accumulate included; tile counters left at zero; with
     programmatic dependent launch as the executor launches it, and a chained launch reading the group's
-    output (the wait before x)."""
+    output (the wait before x); x's fragments made by each CTA or once (xg)."""
     rng = np.random.default_rng(zlib.crc32(repr(("tcg", outs, inn)).encode()))
     lins = []
     for o in outs:
         W, arrays = artifact("nvfp4", (o, inn), rng)
         lins.append(G.Linear("nvfp4", (o, inn), {k: cp.asarray(v) for k, v in arrays.items()}, pdl=pdl))
     for nb in (1, 3, 4, 8, 9, 16):
-        grp = G.TcGroup(lins, nb)
+        grp = G.TcGroup(lins, nb, cfg)
         pf, si = grp.need()
         part, sem = cp.zeros(pf, cp.float32), cp.zeros(si, cp.int32)
         x = cp.asarray(rng.standard_normal((nb, inn)).astype(np.float32))
@@ -350,13 +352,13 @@ def test_gemv_tc_group_is_each_member_alone(outs, inn, pdl):
             grp.launch(x, ys, acc, part, sem)
             for L, a, y in zip(lins, y0, ys):
                 alone = a.copy() if acc else cp.full_like(a, cp.nan)
-                L.launch_tc(x, alone, nb, acc)
+                L.launch_tc(x, alone, nb, acc, cfg=cfg)
                 assert (cp.asnumpy(y) == cp.asnumpy(alone)).all(), (L.out, nb, acc)
         assert not cp.asnumpy(sem).any(), "tile counters not left at zero"
     # a chain: member 0's output of one launch is the next launch's x (square members only), in a graph
     if outs[0] == inn:
         nb = 16
-        grp = G.TcGroup(lins, nb)
+        grp = G.TcGroup(lins, nb, cfg)
         part, sem = cp.zeros(grp.need()[0], cp.float32), cp.zeros(grp.need()[1], cp.int32)
         x0 = cp.asarray(rng.standard_normal((nb, inn)).astype(np.float32) * np.float32(0.05))
         bufs = [x0] + [[cp.empty((nb, L.out), cp.float32) for L in lins] for _ in range(4)]
@@ -374,7 +376,7 @@ def test_gemv_tc_group_is_each_member_alone(outs, inn, pdl):
         for ys in bufs[1:]:                           # the same chain launch by launch, synchronised
             ref = [cp.empty_like(y) for y in ys]
             for L, r in zip(lins, ref):
-                L.launch_tc(x, r, nb)
+                L.launch_tc(x, r, nb, cfg=cfg)
             cp.cuda.Device().synchronize()
             for y, r in zip(ys, ref):
                 assert (cp.asnumpy(y) == cp.asnumpy(r)).all(), "a chained launch read x before it was written"
@@ -394,7 +396,8 @@ def test_gemv_tc_group_refusals():
     assert not G.TcGroup.fits([a, a, a, a], 16) and G.TcGroup.fits([a, a, a], 16)
 
 
-@pytest.mark.parametrize("cfg", [None, G.Bf16TcConfig(), G.Bf16TcConfig(MT=1, W=8, ctas=132), G.Bf16TcConfig(MT=4, W=4, ctas=64)])
+@pytest.mark.parametrize("cfg", [None, G.Bf16TcConfig(), G.Bf16TcConfig(MT=1, W=8, ctas=132), G.Bf16TcConfig(MT=4, W=4, ctas=64),
+                                 G.Bf16TcConfig(xs=True), G.Bf16TcConfig(MT=1, W=8, ctas=132, xs=True)])
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (130, 320), (576, 1536), (1536, 576), (257, 4096), (300, 14336)])
 def test_gemv_bf16_tc_matches_float64(shape, cfg):
     """gemv_bf16_tc (BF16 weights, several rows on the tensor cores, x in three bf16 parts; split-K where the
@@ -428,27 +431,50 @@ def test_gemv_bf16_tc_matches_float64(shape, cfg):
     assert (ys[0] == ys[1]).all(), "two launches differ: the reduction is not deterministic"
 
 
-def test_gemv_bf16_tc_pdl_chain():
+@pytest.mark.parametrize("shape", [(130, 320), (257, 4096), (1536, 576)])
+def test_gemv_bf16_tc_xsplit_bit_for_bit(shape):
+    """x's three bf16 parts made once a launch (gemv_bf16_xsplit, Bf16TcConfig.xs) are the words each warp
+    makes itself otherwise: the outputs are equal bit for bit at every row count, with and without split-K."""
+    rng = np.random.default_rng(zlib.crc32(repr(("bf16xs", shape)).encode()))
+    W, arrays = artifact("bf16", shape, rng)
+    lin = G.Linear("bf16", shape, {k: cp.asarray(v) for k, v in arrays.items()})
+    for base in (G.Bf16TcConfig(), G.Bf16TcConfig(MT=1, W=8, ctas=16)):
+        xs = G.Bf16TcConfig(base.MT, base.W, base.ctas, xs=True)
+        part, sem = (cp.zeros(n, t) for n, t in zip(lin.tc_need(16, xs), (cp.float32, cp.int32)))
+        for nb in (1, 5, 8, 9, 16):
+            x = cp.asarray(rng.standard_normal((nb, shape[1])).astype(np.float32))
+            x[0, ::5] *= np.float32(1e6)
+            ys = []
+            for cfg in (base, xs):
+                y = cp.full((nb, shape[0]), cp.nan, dtype=cp.float32)
+                lin.launch_tc(x, y, nb, False, part, sem, cfg)
+                ys.append(cp.asnumpy(y))
+            assert np.isfinite(ys[0]).all() and (ys[0].view(np.uint32) == ys[1].view(np.uint32)).all(), (base, nb)
+
+
+@pytest.mark.parametrize("cfg", [None, G.Bf16TcConfig(xs=True)])
+def test_gemv_bf16_tc_pdl_chain(cfg):
     """gemv_bf16_tc launched with programmatic dependent launch in a graph, each launch reading what the one
-    before wrote (the weights before the wait, x after it): the same values as plain launches."""
+    before wrote (the weights before the wait, x after it; xs: gemv_bf16_xsplit's launch between): the same
+    values as plain launches."""
     rng = np.random.default_rng(5)
     W, arrays = artifact("bf16", (512, 512), rng)
     plain = G.Linear("bf16", (512, 512), {k: cp.asarray(v) for k, v in arrays.items()})
     pdl = G.Linear("bf16", (512, 512), plain.arrays, pdl=True)
     nb = 16
-    part, sem = (cp.zeros(n, t) for n, t in zip(plain.tc_need(nb), (cp.float32, cp.int32)))
+    part, sem = (cp.zeros(n, t) for n, t in zip(plain.tc_need(nb, cfg), (cp.float32, cp.int32)))
     x0 = cp.asarray(rng.standard_normal((nb, 512)).astype(np.float32))
     want = [x0]
     for _ in range(4):
         y = cp.empty_like(x0)
-        plain.launch_tc(want[-1], y, nb, False, part, sem)
+        plain.launch_tc(want[-1], y, nb, False, part, sem, cfg)
         want.append(y)
     bufs = [x0.copy()] + [cp.full_like(x0, cp.nan) for _ in range(4)]
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
         for i in range(4):
-            pdl.launch_tc(bufs[i], bufs[i + 1], nb, False, part, sem)
+            pdl.launch_tc(bufs[i], bufs[i + 1], nb, False, part, sem, cfg)
         g = s.end_capture()
         g.launch(s)
         s.synchronize()

@@ -1,7 +1,7 @@
 """Check and time the decode GEMV of several activation rows: the CUDA-core kernels (launches of up
 to 8 rows) against the tensor-core kernel (gemv_tc.cu, up to 16 rows a launch) on the GPU.
 
-    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants] [--groups] [--bf16]
+    python -m bloomery.tools.bench_gemv_tc [--out DIR] [--rows 1 2 4 8 16] [--variants] [--xg] [--groups] [--bf16]
 
 Every tensor-core variant is checked against float64 (16 rows, y poisoned) before it is timed.
 Timing as tools/bench_kernels.py: a CUDA graph of launches rotating over copies of the weight
@@ -19,6 +19,7 @@ bf16x2) that the executor used there before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ VARIANTS = [G.TcConfig(NS=2), G.TcConfig(W=8, ctas=528, NS=2), G.TcConfig(MT=1, 
             G.TcConfig(W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=1, ctas=528, NS=2, xcap=16 * K),
             G.TcConfig(MT=4, W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=4, W=8, ctas=528, NS=2),
             G.TcConfig(W=8, ctas=1056, NS=2, xcap=16 * K)]
+XG_VARIANTS = [G.TcConfig(MT=1, W=8, ctas=264, NS=2, xg=True), G.TcConfig(W=8, ctas=528, NS=2, xg=True),
+               G.TcConfig(MT=1, W=8, ctas=528, NS=2, xg=True)]
 
 
 class Cores:
@@ -113,8 +116,10 @@ BF16_VARIANTS = [G.Bf16TcConfig(), G.Bf16TcConfig(ctas=264), G.Bf16TcConfig(ctas
                  G.Bf16TcConfig(MT=1, W=8)]
 
 
-def bench_bf16(rows, bw) -> int:
-    """us a launch of BF16 weights at several rows: CUDA cores, the prompt GEMM past 8 rows, gemv_bf16_tc."""
+def bench_bf16(rows, bw, xg: bool = False) -> int:
+    """us a launch of BF16 weights at several rows: CUDA cores, the prompt GEMM past 8 rows, gemv_bf16_tc
+    (xg: also each variant with x's parts made once, Bf16TcConfig.xs)."""
+    variants = BF16_VARIANTS + ([dataclasses.replace(c, xs=True) for c in BF16_VARIANTS] if xg else [])
     from bloomery.runtime.cuda import gemm as M
     failures, table = 0, []
     part = cp.zeros(1 << 24, cp.float32)
@@ -125,7 +130,7 @@ def bench_bf16(rows, bw) -> int:
         a = make_arrays("bf16", out, inn)
         lin = G.Linear("bf16", (out, inn), a)
         W64 = ref_decode("bf16", a, out, inn)
-        for cfg in BF16_VARIANTS:
+        for cfg in variants:
             for nb, acc in ((16, False), (11, True), (3, False), (1, False)):
                 ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
                 if not ok:
@@ -140,14 +145,17 @@ def bench_bf16(rows, bw) -> int:
                    "cores": time_linears([Cores(L) for L in lins], x, y, nb)[0] * 1e6}
             if nb > 8:
                 rec["gemm"] = time_calls([mm.bind(L, x, y, nb) for L in lins[:4]], lin.nbytes / 3.5e12, stream=gs)[0] * 1e6
-            for cfg in BF16_VARIANTS:
+            for cfg in variants:
                 rec[repr(cfg)] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6
             rec["rule"] = time_linears([Tc(L, None, part, sem) for L in lins], x, y, nb)[0] * 1e6
-            best = min(BF16_VARIANTS, key=lambda c: rec[repr(c)])
+            if xg:
+                xc = dataclasses.replace(G.bf16_tc_config(out, inn, nb), xs=True)
+                rec["rule_xs"] = time_linears([Tc(L, xc, part, sem) for L in lins], x, y, nb)[0] * 1e6
+            best = min(variants, key=lambda c: rec[repr(c)])
             rec["best"], rec["best_cfg"] = rec[repr(best)], best
             table.append(rec)
             log(f"bf16 {rec['shape']:12s} rows {nb:2d}: cores {rec['cores']:8.2f}  gemm {rec.get('gemm', float('nan')):8.2f}  "
-                + "  ".join(f"{c.MT}/{c.W}/{c.ctas} {rec[repr(c)]:7.2f}" for c in BF16_VARIANTS))
+                + "  ".join(f"{c.MT}/{c.W}/{c.ctas}{'x' if c.xs else ''} {rec[repr(c)]:7.2f}" for c in variants))
         del lins
         cp.get_default_memory_pool().free_all_blocks()
     log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; % copy counts the weight bytes once)")
@@ -156,8 +164,14 @@ def bench_bf16(rows, bw) -> int:
     for r in table:
         c = r["best_cfg"]
         log(f"| {r['shape']} | {r['rows']} | {r['cores']:.2f} | {r.get('gemm', float('nan')):.2f} | {r['rule']:.2f} | "
-            f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
+            f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}{'/xs' if c.xs else ''}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
             f"{r['cores'] / r['best']:.2f}x |")
+    if xg:
+        log("\n## BF16: x's parts made once (Bf16TcConfig.xs) on bf16_tc_config's shape: us a launch")
+        log("| out x in | rows | bf16_tc_config | + xs | xs speed |")
+        log("|---|---|---|---|---|")
+        for r in table:
+            log(f"| {r['shape']} | {r['rows']} | {r['rule']:.2f} | {r['rule_xs']:.2f} | {r['rule'] / r['rule_xs']:.3f}x |")
     return failures
 
 
@@ -166,13 +180,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
+    ap.add_argument("--xg", action="store_true", help="also time tc_config's shapes with x's fragments made once, and XG_VARIANTS")
     ap.add_argument("--groups", action="store_true", help="only the q/k/v and gate/up groups (GROUPS)")
     ap.add_argument("--bf16", action="store_true", help="only BF16 weights (BF16_SHAPES, BF16_VARIANTS)")
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     if args.groups or args.bf16:
-        failures = (bench_groups(args.rows, bw) if args.groups else 0) + (bench_bf16(args.rows, bw) if args.bf16 else 0)
+        failures = (bench_groups(args.rows, bw) if args.groups else 0) + (bench_bf16(args.rows, bw, args.xg) if args.bf16 else 0)
         return 1 if failures else 0
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
@@ -181,7 +196,7 @@ def main(argv=None) -> int:
         a = make_arrays("nvfp4", out, inn)
         lin = G.Linear("nvfp4", (out, inn), a)
         W64 = ref_decode("nvfp4", a, out, inn)
-        cfgs = [None] + (VARIANTS if args.variants else [])     # None: gemv.tc_config's choice
+        cfgs = [None] + (VARIANTS if args.variants else []) + (XG_VARIANTS if args.xg else [])  # None: tc_config's
         for cfg in cfgs:
             for nb, acc in ((16, False), (3, True), (1, False)):
                 ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
@@ -198,11 +213,14 @@ def main(argv=None) -> int:
             for cfg in cfgs:
                 rec[repr(cfg)] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6
             rec["tc_us"] = rec[repr(cfgs[0])]
+            if args.xg:                              # the rule's own shape with x's fragments made once
+                xc = dataclasses.replace(G.tc_config(out, inn, nb), xg=True)
+                rec["xg_us"] = time_linears([Tc(L, xc, part, sem) for L in lins], x, y, nb)[0] * 1e6
             rec["best"] = min((rec[repr(c)], repr(c)) for c in cfgs)
             rec["rule_cfg"] = repr(G.tc_config(out, inn, nb))
             res.append(rec)
             log(f"{out:6d}x{inn:<6d} rows {nb:2d}: cores {rec['cores_us']:8.2f} us  tc {rec['tc_us']:8.2f} us  "
-                f"best {rec['best'][0]:8.2f} {rec['best'][1]}")
+                + (f"tc+xg {rec['xg_us']:8.2f} us  " if args.xg else "") + f"best {rec['best'][0]:8.2f} {rec['best'][1]}")
         del bufs, lins
         cp.get_default_memory_pool().free_all_blocks()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -229,6 +247,16 @@ def main(argv=None) -> int:
         log(f"| {nb} | {tot['cores_us']:.3f} | {tot['tc_us']:.3f} | {tot['best']:.3f} | "
             f"{tot['cores_us'] / base['cores_us']:.2f} | {tot['tc_us'] / base['cores_us']:.2f} | "
             f"{tot['best'] / base['best']:.2f} |")
+    if args.xg:
+        log("\n## x's fragments made once (TcConfig.xg) on tc_config's shape: us a launch")
+        log("| out x in | rows | tc_config | tc_config + xg | xg speed |")
+        log("|---|---|---|---|---|")
+        for r in res:
+            log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} | {r['xg_us']:.2f} | {r['tc_us'] / r['xg_us']:.3f}x |")
+        for nb in args.rows:
+            t0 = sum(STACK[(r["out"], r["in"])] * r["tc_us"] for r in res if r["rows"] == nb) / 1e3
+            t1 = sum(STACK[(r["out"], r["in"])] * r["xg_us"] for r in res if r["rows"] == nb) / 1e3
+            log(f"Llama-3-8B linears a step at {nb} rows: {t0:.3f} ms, with xg {t1:.3f} ms ({t0 / t1:.3f}x)")
     return 1 if failures else 0
 
 

@@ -31,9 +31,12 @@ INSTANCES = {
     "attention_decode": [f"attention_decode_k<{dpl}, {h}, {ck}, {cv}>" for dpl, h, ck, cv in
                          P((2, 4), (1, 2, 4), (0, 1, 2), (0, 1, 2))]
                         + [f"attention_decode_tc<{d}, {st}, {ck}, {cv}>" for d, st, ck, cv in P((64, 128), (2, 3), (1, 2), (1, 2))],
-    "gemv_tc": [f"gemv_nvfp4_tc<{mt}, {w}, {nt}, {u}, {ns}>" for mt, w, nt, (u, ns) in
+    "gemv_tc": [f"gemv_nvfp4_tc<{mt}, {w}, {nt}, {u}, {ns}, 0>" for mt, w, nt, (u, ns) in
                 P((1, 2), (4, 8), (1, 4), ((1, 0), (2, 0), (4, 2), (4, 3)))]
-               + [f"gemv_bf16_tc<{mt}, {w}, {nt}>" for mt, w, nt in P((1, 2), (4, 8), (1, 2))],
+               + [f"gemv_nvfp4_tc<{mt}, 8, {nt}, 4, 2, 1>" for mt, nt in P((1, 2), (1, 4))]
+               + [f"gemv_tc_xfrag<{nt}>" for nt in (1, 2, 4)]
+               + [f"gemv_bf16_tc<{mt}, {w}, {nt}, 0>" for mt, w, nt in P((1, 2), (4, 8), (1, 2))]
+               + [f"gemv_bf16_tc<{mt}, {w}, {nt}, 1>" for mt, w, nt in P((1, 2), (4, 8), (1, 2))] + ["gemv_bf16_xsplit"],
     "gemv_tile": ["tile_repack_w", "tile_repack_s"] + [f"gemv_tile<{w}, {m}, {p}, {n}, {pr}>" for w, m, p, n, pr in
                                                        P((4, 8), (1, 2), (0, 16), (0, 1), (0, 1))],
 }

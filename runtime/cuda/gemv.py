@@ -18,7 +18,9 @@ allocation when `y` is given, so a sequence of calls can be captured into a CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -29,6 +31,7 @@ try:                                    # importable without CuPy (CPU machines,
 except Exception:                        # pragma: no cover - depends on the machine
     cp = None
 
+from bloomery.core import levers
 from . import cu
 from . import pdl as PDL
 from .gemv_src import SOURCE
@@ -249,6 +252,7 @@ class TcConfig:
     min_blocks: int = 4
     NS: int = 0                           # > 0: weights staged through shared memory, NS chunks deep
     xcap: int = TC_SMEM                   # cap on the x slice's shared bytes (fewer: more slices, more CTAs a SM)
+    xg: bool = False                      # x's fragments made once by gemv_tc_xfrag (global), not by each CTA
 
 
 def tc_staged(inn: int, cfg: TcConfig) -> bool:
@@ -261,9 +265,20 @@ def tc_config(out: int, inn: int, nb: int) -> TcConfig:
     docs/kernels.md): weights staged two chunks deep; four m-tiles a warp for the output head; from 5
     rows (two or four n-tiles) 8 warps a CTA, one m-tile a warp and a 264-CTA grid, except the wide
     gate / up (two m-tiles, 528 CTAs from 9 rows); up to 4 rows one m-tile a warp and a wider grid up to
-    4096 x 4096."""
+    4096 x 4096; x's fragments made once (TcConfig.xg) for the wide down projection past 8 rows (4096 x
+    14336 at 16 rows: 38.7 against 41.1 us; every other shape loses, 0.74-0.99x, 2026-12-06), unless
+    BLOOMERY_TC_XG=off."""
+    cfg = _tc_config(out, inn, nb)
+    if cfg.xg and levers.value("BLOOMERY_TC_XG", os.environ) == "off":
+        cfg = dataclasses.replace(cfg, xg=False)
+    return cfg
+
+
+def _tc_config(out: int, inn: int, nb: int) -> TcConfig:
     if out >= 65536:
         return TcConfig(MT=4 if nb > 4 else 2, W=8, ctas=528, NS=2)
+    if nb > 8 and inn > 8192:
+        return TcConfig(MT=1, W=8, ctas=264, NS=2, xg=True)
     if nb > 4:
         if out > inn and out > 4096:
             return TcConfig(W=8, ctas=528 if nb > 8 else 264, NS=2)
@@ -294,13 +309,14 @@ def tc_launch_shape(out: int, inn: int, nb: int, cfg: TcConfig = TcConfig()):
     tiles = -(-out // (16 * cfg.MT * cfg.W))
     ks = max(1, min(nblk, -(-cfg.ctas // tiles)))
     bps = max(-(-nblk // ks), min(cfg.min_blocks, nblk))
-    bps = min(bps, max(1, cfg.xcap // (NT * 1024)))
+    if not cfg.xg:
+        bps = min(bps, max(1, cfg.xcap // (NT * 1024)))
     staged = tc_staged(inn, cfg)
     if staged:
         bps = -(-bps // 4) * 4
     ks = -(-nblk // bps)
     wbytes = cfg.W * (cfg.NS if staged else 0) * 16 * cfg.MT * 160
-    smem = bps * NT * 1024 + wbytes
+    smem = (0 if cfg.xg else bps * NT * 1024) + wbytes
     if smem > TC_SMEM_MAX:
         raise ValueError(f"gemv_tc {cfg}: {smem} bytes of shared memory a CTA (x slice + weight stages), "
                          f"over the {TC_SMEM_MAX} a Hopper CTA may have")
@@ -317,15 +333,26 @@ class Bf16TcConfig:
     MT: int = 2
     W: int = 4
     ctas: int = 528
+    xs: bool = False                      # x's bf16 parts made once by gemv_bf16_xsplit, not by each warp
 
 
 def bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
+    cfg = _bf16_tc_config(out, inn, nb)
+    if cfg.xs and levers.value("BLOOMERY_TC_XG", os.environ) == "off":
+        cfg = dataclasses.replace(cfg, xs=False)
+    return cfg
+
+
+def _bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
     """The measured best (tools/bench_gemv_tc.py --bf16, H200, 2026-12-04, docs/kernels.md): two m-tiles a
     warp and 4 warps, a 528-CTA grid; the output head up to 8 rows one m-tile a warp and 8 warps (128256 x
     4096: 308 against 323 us); a 264-CTA grid for narrow matrices (in < 1024: 49152 x 576 19.7 against
-    24.8 us) and for wide ones past 8 rows (14336 x 4096 at 16 rows: 53.6 against 67.2 us)."""
-    if out >= 65536 and nb <= 8:
-        return Bf16TcConfig(MT=1, W=8)
+    24.8 us) and for wide ones past 8 rows (14336 x 4096 at 16 rows: 53.6 against 67.2 us).
+    The output heads with x's three parts made once (Bf16TcConfig.xs: 128256 x 4096 at 16 rows 373.3 against
+    419.2 us, at 8 rows 313.0 against 327.9; narrower matrices lose, 0.88-0.99x, 2026-12-06), unless
+    BLOOMERY_TC_XG=off."""
+    if out >= 65536:
+        return Bf16TcConfig(MT=1, W=8, xs=True) if nb <= 8 else Bf16TcConfig(ctas=264, xs=True)
     if inn < 1024 or (nb > 8 and out > inn and out < 65536):
         return Bf16TcConfig(ctas=264)
     return Bf16TcConfig()
@@ -387,8 +414,19 @@ class TcGroup:
 
     def need(self) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) the launch needs: its members' one after another."""
-        pf = sum(ks * self.nb * L.out for L, (_, (_, ks), _, _) in zip(self.lins, self.shapes) if ks > 1)
+        pf = self._partials()
+        if self.cfg.xg:                              # then x's powers of two and fragments (16-byte aligned)
+            pf = self._xofs(pf)[1] + (self.inn // 64) * self.shapes[0][0] * 256
         return max(1, pf), sum(t for _, (t, _), _, _ in self.shapes)
+
+    def _partials(self) -> int:
+        """Float32 split-K partial sums of the members, one after another."""
+        return sum(ks * self.nb * L.out for L, (_, (_, ks), _, _) in zip(self.lins, self.shapes) if ks > 1)
+
+    def _xofs(self, pf: int) -> tuple[int, int]:
+        """Float offsets in `part` of gemv_tc_xfrag's powers of two (16) and fragments, after pf partial sums."""
+        a = -(-pf // 4) * 4
+        return a, a + 16
 
     def kernel(self):
         cfg, L0 = self.cfg, self.lins[0]
@@ -396,10 +434,12 @@ class TcGroup:
         ns = cfg.NS if tc_staged(self.inn, cfg) else 0
         key = ("tc", NT, ns, cfg)
         if key not in L0._kern:
-            k = cu.kernel("gemv_tc", f"gemv_nvfp4_tc<{cfg.MT}, {cfg.W}, {NT}, {cfg.U}, {ns}>")
+            k = cu.kernel("gemv_tc", f"gemv_nvfp4_tc<{cfg.MT}, {cfg.W}, {NT}, {cfg.U}, {ns}, {int(cfg.xg)}>")
             optin = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"]
             k.max_dynamic_shared_size_bytes = optin - k.shared_size_bytes    # the limit; launches ask for less
             L0._kern[key] = k
+            if cfg.xg:
+                self.xfrag_kernel()
         return L0._kern[key]
 
     def launch(self, x, ys, accumulate: bool = False, part=None, sem=None):
@@ -409,12 +449,25 @@ class TcGroup:
             pf, si = self.need()
             part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
         i32, n = cp.int32, len(self.lins)
+        xf = xi = part
+        if self.cfg.xg:
+            a, b = self._xofs(self._partials())
+            xi, xf = part[a:], part[b:]
+            NT = self.shapes[0][0]
+            PDL.launcher(self.pdl)(self.xfrag_kernel(), (4 * NT,), (256,), (x, xf, xi, i32(self.inn), i32(self.nb)))
         pad = lambda v: list(v) + [v[0]] * (TC_MEMBERS - n)      # unused member slots (never read)
         L = pad(self.lins)
         args = (*[l.w for l in L], *[l.sc for l in L], x, *pad(list(ys)), part, sem, *[i32(l.out) for l in L],
                 i32(self.inn), i32(self.nb), i32(int(accumulate)), *[i32(s[2]) for s in pad(self.shapes)],
-                *[i32(s[1][1]) for s in pad(self.shapes)], i32(n))
+                *[i32(s[1][1]) for s in pad(self.shapes)], i32(n), xf, xi)
         PDL.launcher(self.pdl)(self.kernel(), (self.grid,), (32 * self.cfg.W,), args, shared_mem=self.smem)
+
+    def xfrag_kernel(self):
+        NT, L0 = self.shapes[0][0], self.lins[0]
+        key = ("tcx", NT)
+        if key not in L0._kern:
+            L0._kern[key] = cu.kernel("gemv_tc", f"gemv_tc_xfrag<{NT}>")
+        return L0._kern[key]
 
 
 class Linear:
@@ -522,8 +575,12 @@ class Linear:
     def tc_need(self, nb: int, cfg=None) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
         if self.kind == "bf16":
-            _, tiles, ks, _ = bf16_tc_launch_shape(self.out, self.inn, nb, cfg or bf16_tc_config(self.out, self.inn, nb))
-            return (ks * nb * self.out if ks > 1 else 1), tiles
+            cfg = cfg or bf16_tc_config(self.out, self.inn, nb)
+            NT, tiles, ks, _ = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)
+            pf = ks * nb * self.out if ks > 1 else 1
+            if cfg.xs:                                   # then x's parts: 8 NT rows x in/8 x 3 uint4
+                pf = self._xs_ofs(pf) + 8 * NT * self.inn * 3 // 2
+            return pf, tiles
         return TcGroup([self], nb, cfg).need()
 
     def tc_kernel(self, nb: int, cfg=None):
@@ -532,7 +589,9 @@ class Linear:
             NT = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)[0]
             key = ("bf16tc", NT, cfg)
             if key not in self._kern:
-                self._kern[key] = cu.kernel("gemv_tc", f"gemv_bf16_tc<{cfg.MT}, {cfg.W}, {NT}>")
+                self._kern[key] = cu.kernel("gemv_tc", f"gemv_bf16_tc<{cfg.MT}, {cfg.W}, {NT}, {int(cfg.xs)}>")
+                if cfg.xs:
+                    self._kern["bf16xs"] = cu.kernel("gemv_tc", "gemv_bf16_xsplit")
             return self._kern[key]
         return TcGroup([self], nb, cfg).kernel()
 
@@ -549,8 +608,18 @@ class Linear:
             pf, si = self.tc_need(nb, cfg)
             part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
         i32 = cp.int32
-        args = (self.w, x, y, part, sem, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)), i32(cps), i32(ks))
-        self._go(self.tc_kernel(nb, cfg), (tiles * ks,), (32 * cfg.W,), args)
+        kern, xs = self.tc_kernel(nb, cfg), part
+        if cfg.xs:
+            xs = part[self._xs_ofs(ks * nb * self.out if ks > 1 else 1):]
+            NT = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)[0]
+            self._go(self._kern["bf16xs"], (-(-self.inn // 2048), 8 * NT), (256,), (x, xs, i32(self.inn), i32(nb)))
+        args = (self.w, x, y, part, sem, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)), i32(cps), i32(ks), xs)
+        self._go(kern, (tiles * ks,), (32 * cfg.W,), args)
+
+    @staticmethod
+    def _xs_ofs(pf: int) -> int:
+        """Float offset in `part` of gemv_bf16_xsplit's words after pf partial sums (16-byte aligned)."""
+        return -(-pf // 4) * 4
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1

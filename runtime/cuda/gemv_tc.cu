@@ -190,12 +190,55 @@ __device__ __forceinline__ void splitk_finish(const float *part, int *sem, float
   if (threadIdx.x == 0) sem[tile] = 0;
 }
 
-template <int MT, int W, int NT, int U, int NS>
+// XG: x's fragments and powers of two come from gemv_tc_xfrag (launched just before, once for the whole
+// row: xf, xig) instead of each CTA making its slice's in shared memory (steps 1 and 2 below skipped)
+template <int NT>
+__global__ void __launch_bounds__(256) gemv_tc_xfrag(const float *x, uint4 *xf, float *xig, int in, int nb) {
+  // CTA b: batch row b (< 4 NT; rows past nb zero) as the f16 hi / lo fragments of every block, in the order of
+  // step 2 below (xf[nblk][NT][2 halves][32 lanes]), after the power of two of the whole row
+  __shared__ float red[8];
+  grid_dep_launch();
+  const int b = blockIdx.x, nt = b >> 2, bb = b & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  grid_dep_wait();
+  const float *xr = x + (size_t)b * in;
+  float m = 0.f;
+  if (b < nb)
+    for (int i = threadIdx.x; i < (in >> 2); i += 256) {
+      const float4 v = reinterpret_cast<const float4 *>(xr)[i];
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < 8; w++) m = fmaxf(m, red[w]);
+  const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;
+  const float s = __uint_as_float((u32)(127 + 14 - e) << 23);
+  if (threadIdx.x == 0) xig[b] = __uint_as_float((u32)(127 - 14 + e) << 23);
+  // piece p: block j, half h, lane column c: elements 64 j + 16 c + 8 h .. + 7, for lanes 8 bb + 4 pt + c
+  for (int p = threadIdx.x; p < (in >> 6) * 8; p += 256) {
+    const int j = p >> 3, h = (p >> 2) & 1, c = p & 3;
+    float4 v0 = make_float4(0.f, 0.f, 0.f, 0.f), v1 = v0;
+    if (b < nb) {
+      const float4 *q = reinterpret_cast<const float4 *>(xr + 64 * j + 16 * c + 8 * h);
+      v0 = q[0]; v1 = q[1];
+    }
+    uint4 *o = xf + ((size_t)(j * NT + nt) * 2 + h) * 32 + 8 * bb + c;
+#pragma unroll
+    for (int pt = 0; pt < 2; pt++)
+      o[4 * pt] = make_uint4(f16_part2(v0.x * s, v0.y * s, pt), f16_part2(v0.z * s, v0.w * s, pt),
+                             f16_part2(v1.x * s, v1.y * s, pt), f16_part2(v1.z * s, v1.w * s, pt));
+  }
+}
+
+template <int MT, int W, int NT, int U, int NS, int XG>
 __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W0, const u8 *__restrict__ W1,
     const u8 *__restrict__ W2, const float *__restrict__ sc0, const float *__restrict__ sc1,
     const float *__restrict__ sc2, const float *x, float *y0, float *y1, float *y2, float *part, int *sem,
     int out0, int out1, int out2, int in, int nb, int add, int bps0, int bps1, int bps2, int ks0, int ks1, int ks2,
-    int nm) {
+    int nm, const uint4 *xf, const float *xig) {
   extern __shared__ uint4 xs[];                      // [nj][NT][2 halves][32 lanes]
   __shared__ float xscale[4 * NT], xinv[4 * NT];
   __shared__ int last;
@@ -234,7 +277,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
     pb[mt] = Wt + (size_t)min(rbase + 16 * mt + g + 8, out - 1) * rowbytes + (size_t)j0 * 36;
   }
   Chunk<MT, (NS > 0 ? 1 : U)> qa, qb;                // registers of the direct path only
-  u8 *wst = reinterpret_cast<u8 *>(xs + bps * NT * 64) + warp * (NS ? NS : 1) * 16 * MT * TC_ROW;
+  u8 *wst = reinterpret_cast<u8 *>(xs + (XG ? 0 : bps * NT * 64)) + warp * (NS ? NS : 1) * 16 * MT * TC_ROW;
   const int nch = nj / 4;
   if constexpr (NS > 0) {                            // the first weights in flight while x is staged
 #pragma unroll
@@ -247,6 +290,12 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
   }
   grid_dep_wait();                                   // x, y, part and sem (the kernels before) from here on
 
+  const uint4 *xv;                                   // the slice's fragments (shared memory, or xf: L1 / L2)
+  const float *xi;                                   // and their powers of two
+  if constexpr (XG) {
+    xv = xf + (size_t)j0 * NT * 64; xi = xig;
+  } else {
+  xv = xs; xi = xinv;
   // 1. per batch row, the power of two for the slice
   for (int b = warp; b < 4 * NT; b += W) {
     float m = 0.f;
@@ -297,6 +346,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
     }
   }
   __syncthreads();
+  }
 
   // 3. the warp's MT m-tiles over the slice, two register buffers of U blocks: one in flight while
   //    the other goes through the tensor cores
@@ -310,15 +360,15 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
       const int nx = ch + NS - 1;
       if (nx < nch) stage_chunk<MT>(wst + (nx % NS) * 16 * MT * TC_ROW, Wt, rbase, out, rowbytes, (size_t)(j0 + 4 * nx) * 36, lane);
       else cp_commit();
-      mma_staged<MT, NT>(d, wst + (ch % NS) * 16 * MT * TC_ROW, xs, 4 * ch, lane);
+      mma_staged<MT, NT>(d, wst + (ch % NS) * 16 * MT * TC_ROW, xv, 4 * ch, lane);
     }
   } else
   for (int jb = 0; jb < nj; jb += 2 * U) {
     if (jb + U < nj) load_chunk<MT, U>(qb, pa, pb, jb + U, nj, c);
-    mma_chunk<MT, NT, U>(d, qa, xs, jb, nj, lane);
+    mma_chunk<MT, NT, U>(d, qa, xv, jb, nj, lane);
     if (jb + U >= nj) break;
     if (jb + 2 * U < nj) load_chunk<MT, U>(qa, pa, pb, jb + 2 * U, nj, c);
-    mma_chunk<MT, NT, U>(d, qb, xs, jb + U, nj, lane);
+    mma_chunk<MT, NT, U>(d, qb, xv, jb + U, nj, lane);
   }
 
   // 4. thread (g, c) holds rows g, g + 8 of each m-tile for batch row 4 nt + c: (d0 + d1), (d2 + d3)
@@ -329,7 +379,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
       for (int nt = 0; nt < NT; nt++) {
         const int b = 4 * nt + c;
         if (b >= nb) continue;
-        const float f = xinv[b] * s2;
+        const float f = xi[b] * s2;
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
           const int row = rbase + 16 * mt + g + 8 * hh;
@@ -351,7 +401,7 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
 #pragma unroll
       for (int hh = 0; hh < 2; hh++) {
         const int row = rbase + 16 * mt + g + 8 * hh;
-        if (row < out) part[((size_t)ks * nb + b) * out + row] = (d[mt][nt][2 * hh] + d[mt][nt][2 * hh + 1]) * xinv[b];
+        if (row < out) part[((size_t)ks * nb + b) * out + row] = (d[mt][nt][2 * hh] + d[mt][nt][2 * hh + 1]) * xi[b];
       }
     }
   splitk_finish<RT, W * 32>(part, sem, y, tile, out, nb, KS, add, s2, &last);
@@ -371,7 +421,43 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
 // warp streams MT m-tiles over its k-slice (cps chunks), the next chunk's weights and x in flight while one
 // goes through the tensor cores; x is read through L1 (every warp of a CTA reads the same chunk). KS > 1:
 // split-K as above (splitk_finish). PDL: the first chunk's weights are loaded before the wait, x after it.
-template <int MT, int NT> struct Bf16Chunk { uint4 wa[MT], wb[MT]; float4 x[NT][2]; };
+// XS: x's three bf16 parts come from gemv_bf16_xsplit (launched just before, once for the launch's 8 NT rows:
+// xw) instead of each warp splitting the x it loads (the same words: the same arithmetic, bit for bit).
+template <int MT, int NT> struct Bf16Chunk { uint4 wa[MT], wb[MT]; float4 x[NT][2]; uint4 xw[NT][3]; };
+
+// the split gemv_bf16_tc's bf16_mma makes of the 8 x values of a lane: hi, mid, lo words of 4 k pairs
+__device__ __forceinline__ void bf16_split8(u32 (&xp)[3][4], const float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    float a = v[2 * e], b = v[2 * e + 1];
+#pragma unroll
+    for (int pt = 0; pt < 3; pt++) {
+      const u32 h = bf16x2_rn(a, b);
+      xp[pt][e] = h;
+      a -= bflo(h); b -= bfhi(h);
+    }
+  }
+}
+
+// thread t of CTA (bx, b): batch row b (< 8 NT; rows past nb zero), k group q = 256 bx + t (8 values) as
+// xw[(b * in / 8 + q) * 3 + part]: the words a lane of gemv_bf16_tc<.., XS = 1> reads for its 8 k
+__global__ void __launch_bounds__(256) gemv_bf16_xsplit(const float *x, uint4 *xw, int in, int nb) {
+  grid_dep_launch();
+  const int b = blockIdx.y, q = blockIdx.x * 256 + threadIdx.x;
+  grid_dep_wait();
+  if (q >= (in >> 3)) return;
+  float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (b < nb) {
+    const float4 *p = reinterpret_cast<const float4 *>(x + (size_t)b * in + 8 * q);
+    const float4 a = p[0], c = p[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = c.x; v[5] = c.y; v[6] = c.z; v[7] = c.w;
+  }
+  u32 xp[3][4];
+  bf16_split8(xp, v);
+  uint4 *o = xw + ((size_t)b * (in >> 3) + q) * 3;
+#pragma unroll
+  for (int pt = 0; pt < 3; pt++) o[pt] = make_uint4(xp[pt][0], xp[pt][1], xp[pt][2], xp[pt][3]);
+}
 
 template <int MT, int NT>
 __device__ __forceinline__ void bf16_load_w(Bf16Chunk<MT, NT> &q, const u16 *const (&pa)[MT], const u16 *const (&pb)[MT],
@@ -391,21 +477,29 @@ __device__ __forceinline__ void bf16_load_x(Bf16Chunk<MT, NT> &q, const float *c
   }
 }
 template <int MT, int NT>
+__device__ __forceinline__ void bf16_load_xs(Bf16Chunk<MT, NT> &q, const uint4 *const (&xw)[NT], int i) {
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+    for (int pt = 0; pt < 3; pt++) q.xw[nt][pt] = xw[nt][12 * i + pt];
+}
+template <int MT, int NT, int XS>
 __device__ __forceinline__ void bf16_mma(float (&d)[MT][NT][4], const Bf16Chunk<MT, NT> &q, const bool (&xok)[NT]) {
   u32 xp[NT][3][4];                                  // [n-tile][part][pair k (2e, 2e + 1)]
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
-    const float v[8] = {q.x[nt][0].x, q.x[nt][0].y, q.x[nt][0].z, q.x[nt][0].w,
-                        q.x[nt][1].x, q.x[nt][1].y, q.x[nt][1].z, q.x[nt][1].w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      float a = xok[nt] ? v[2 * e] : 0.f, b = xok[nt] ? v[2 * e + 1] : 0.f;
+    if constexpr (XS) {
 #pragma unroll
       for (int pt = 0; pt < 3; pt++) {
-        const u32 h = bf16x2_rn(a, b);
-        xp[nt][pt][e] = h;
-        a -= bflo(h); b -= bfhi(h);
+        xp[nt][pt][0] = q.xw[nt][pt].x; xp[nt][pt][1] = q.xw[nt][pt].y;
+        xp[nt][pt][2] = q.xw[nt][pt].z; xp[nt][pt][3] = q.xw[nt][pt].w;
       }
+    } else {
+      const bool ok = xok[nt];
+      const float v[8] = {ok ? q.x[nt][0].x : 0.f, ok ? q.x[nt][0].y : 0.f, ok ? q.x[nt][0].z : 0.f,
+                          ok ? q.x[nt][0].w : 0.f, ok ? q.x[nt][1].x : 0.f, ok ? q.x[nt][1].y : 0.f,
+                          ok ? q.x[nt][1].z : 0.f, ok ? q.x[nt][1].w : 0.f};
+      bf16_split8(xp[nt], v);
     }
   }
 #pragma unroll
@@ -423,9 +517,10 @@ __device__ __forceinline__ void bf16_mma(float (&d)[MT][NT][4], const Bf16Chunk<
   }
 }
 
-template <int MT, int W, int NT>
+template <int MT, int W, int NT, int XS>
 __global__ void __launch_bounds__(W * 32) gemv_bf16_tc(const u16 *__restrict__ Wt, const float *x, float *y, float *part,
-                                                        int *sem, int out, int in, int nb, int add, int cps, int KS) {
+                                                        int *sem, int out, int in, int nb, int add, int cps, int KS,
+                                                        const uint4 *xs) {
   __shared__ int last;
   grid_dep_launch();
   constexpr int RT = 16 * MT * W;
@@ -440,24 +535,29 @@ __global__ void __launch_bounds__(W * 32) gemv_bf16_tc(const u16 *__restrict__ W
     pb[mt] = Wt + (size_t)min(rbase + 16 * mt + g + 8, out - 1) * in + 32 * c0 + 8 * c;
   }
   const float *xr[NT];
+  const uint4 *xw[NT];
   bool xok[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
     xok[nt] = 8 * nt + g < nb;
     xr[nt] = x + (size_t)min(8 * nt + g, nb - 1) * in + 32 * c0 + 8 * c;
+    xw[nt] = xs + ((size_t)(8 * nt + g) * (in >> 3) + 4 * c0 + c) * 3;
   }
+  auto load_x = [&](Bf16Chunk<MT, NT> &q, int i) {
+    if constexpr (XS) bf16_load_xs(q, xw, i); else bf16_load_x(q, xr, i);
+  };
   Bf16Chunk<MT, NT> qa, qb;
   if (cn > 0) bf16_load_w(qa, pa, pb, 0);
   grid_dep_wait();                                   // x, y, part and sem from here on
   float d[MT][NT][4];
   zero_acc(d);
-  if (cn > 0) bf16_load_x(qa, xr, 0);
+  if (cn > 0) load_x(qa, 0);
   for (int i = 0; i < cn; i += 2) {
-    if (i + 1 < cn) { bf16_load_w(qb, pa, pb, i + 1); bf16_load_x(qb, xr, i + 1); }
-    bf16_mma(d, qa, xok);
+    if (i + 1 < cn) { bf16_load_w(qb, pa, pb, i + 1); load_x(qb, i + 1); }
+    bf16_mma<MT, NT, XS>(d, qa, xok);
     if (i + 1 >= cn) break;
-    if (i + 2 < cn) { bf16_load_w(qa, pa, pb, i + 2); bf16_load_x(qa, xr, i + 2); }
-    bf16_mma(d, qb, xok);
+    if (i + 2 < cn) { bf16_load_w(qa, pa, pb, i + 2); load_x(qa, i + 2); }
+    bf16_mma<MT, NT, XS>(d, qb, xok);
   }
   // thread (g, c) holds rows g (d0, d1) and g + 8 (d2, d3) of each m-tile, batch rows 8 nt + 2c, + 1
 #pragma unroll
