@@ -13,7 +13,9 @@ q/k/v and gate/up as the executor launches them at several rows, each member alo
 gemv.TcGroup launch, both with and without programmatic dependent launch (members checked bit for bit).
 --bf16: BF16 weights (the output heads ModelOpt leaves unquantized): gemv_bf16_tc's configurations
 (checked against float64 first) against the CUDA-core kernels and, past 8 rows, the prompt GEMM (cuBLAS,
-bf16x2) that the executor used there before.
+bf16x2) that the executor used there before. --xg: also gemv.tc_config's shapes (with --bf16:
+bf16_tc_config's and every variant's) with x's 16-bit parts made once a launch (TcConfig.xg,
+Bf16TcConfig.xs), both forms in the same run, and a table of the two side by side.
 """
 
 from __future__ import annotations

@@ -269,9 +269,17 @@ def tc_config(out: int, inn: int, nb: int) -> TcConfig:
     14336 at 16 rows: 38.7 against 41.1 us; every other shape loses, 0.74-0.99x, 2026-12-06), unless
     BLOOMERY_TC_XG=off."""
     cfg = _tc_config(out, inn, nb)
-    if cfg.xg and levers.value("BLOOMERY_TC_XG", os.environ) == "off":
-        cfg = dataclasses.replace(cfg, xg=False)
-    return cfg
+    return cfg if _x_once() else dataclasses.replace(cfg, xg=False)
+
+
+def _x_once() -> bool:
+    """BLOOMERY_TC_XG: whether the rules' x-made-once shapes (TcConfig.xg, Bf16TcConfig.xs) stand."""
+    return levers.value("BLOOMERY_TC_XG", os.environ) == "on"
+
+
+def _align4(n: int) -> int:
+    """n floats rounded up to 16 bytes (where a uint4 array may start inside `part`)."""
+    return -(-n // 4) * 4
 
 
 def _tc_config(out: int, inn: int, nb: int) -> TcConfig:
@@ -337,13 +345,6 @@ class Bf16TcConfig:
 
 
 def bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
-    cfg = _bf16_tc_config(out, inn, nb)
-    if cfg.xs and levers.value("BLOOMERY_TC_XG", os.environ) == "off":
-        cfg = dataclasses.replace(cfg, xs=False)
-    return cfg
-
-
-def _bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
     """The measured best (tools/bench_gemv_tc.py --bf16, H200, 2026-12-04, docs/kernels.md): two m-tiles a
     warp and 4 warps, a 528-CTA grid; the output head up to 8 rows one m-tile a warp and 8 warps (128256 x
     4096: 308 against 323 us); a 264-CTA grid for narrow matrices (in < 1024: 49152 x 576 19.7 against
@@ -351,6 +352,11 @@ def _bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
     The output heads with x's three parts made once (Bf16TcConfig.xs: 128256 x 4096 at 16 rows 373.3 against
     419.2 us, at 8 rows 313.0 against 327.9; narrower matrices lose, 0.88-0.99x, 2026-12-06), unless
     BLOOMERY_TC_XG=off."""
+    cfg = _bf16_tc_config(out, inn, nb)
+    return cfg if _x_once() else dataclasses.replace(cfg, xs=False)
+
+
+def _bf16_tc_config(out: int, inn: int, nb: int) -> Bf16TcConfig:
     if out >= 65536:
         return Bf16TcConfig(MT=1, W=8, xs=True) if nb <= 8 else Bf16TcConfig(ctas=264, xs=True)
     if inn < 1024 or (nb > 8 and out > inn and out < 65536):
@@ -425,7 +431,7 @@ class TcGroup:
 
     def _xofs(self, pf: int) -> tuple[int, int]:
         """Float offsets in `part` of gemv_tc_xfrag's powers of two (16) and fragments, after pf partial sums."""
-        a = -(-pf // 4) * 4
+        a = _align4(pf)
         return a, a + 16
 
     def kernel(self):
@@ -577,9 +583,9 @@ class Linear:
         if self.kind == "bf16":
             cfg = cfg or bf16_tc_config(self.out, self.inn, nb)
             NT, tiles, ks, _ = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)
-            pf = ks * nb * self.out if ks > 1 else 1
+            pf = self._bf16_partials(nb, ks)
             if cfg.xs:                                   # then x's parts: 8 NT rows x in/8 x 3 uint4
-                pf = self._xs_ofs(pf) + 8 * NT * self.inn * 3 // 2
+                pf = _align4(pf) + 8 * NT * self.inn * 3 // 2
             return pf, tiles
         return TcGroup([self], nb, cfg).need()
 
@@ -603,23 +609,21 @@ class Linear:
             TcGroup([self], nb, cfg).launch(x, [y], accumulate, part, sem)
             return
         cfg = cfg or bf16_tc_config(self.out, self.inn, nb)
-        _, tiles, ks, cps = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)
+        NT, tiles, ks, cps = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)
         if part is None or sem is None:
             pf, si = self.tc_need(nb, cfg)
             part, sem = cp.empty(pf, cp.float32), cp.zeros(si, cp.int32)
         i32 = cp.int32
         kern, xs = self.tc_kernel(nb, cfg), part
-        if cfg.xs:
-            xs = part[self._xs_ofs(ks * nb * self.out if ks > 1 else 1):]
-            NT = bf16_tc_launch_shape(self.out, self.inn, nb, cfg)[0]
+        if cfg.xs:                                       # gemv_bf16_xsplit's words after the partial sums
+            xs = part[_align4(self._bf16_partials(nb, ks)):]
             self._go(self._kern["bf16xs"], (-(-self.inn // 2048), 8 * NT), (256,), (x, xs, i32(self.inn), i32(nb)))
         args = (self.w, x, y, part, sem, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)), i32(cps), i32(ks), xs)
         self._go(kern, (tiles * ks,), (32 * cfg.W,), args)
 
-    @staticmethod
-    def _xs_ofs(pf: int) -> int:
-        """Float offset in `part` of gemv_bf16_xsplit's words after pf partial sums (16-byte aligned)."""
-        return -(-pf // 4) * 4
+    def _bf16_partials(self, nb: int, ks: int) -> int:
+        """Float32 split-K partial sums of a gemv_bf16_tc launch (1: a placeholder when there are none)."""
+        return ks * nb * self.out if ks > 1 else 1
 
     def __call__(self, x, y=None, accumulate: bool = False):
         squeeze = x.ndim == 1
