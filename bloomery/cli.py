@@ -507,8 +507,11 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
 @click.option("-np", "--parallel", type=click.IntRange(1), default=4, show_default=True,
               help="Slots: requests decoded together, one row each of the same decode step.")
 @click.option("-ub", "--ubatch-size", type=click.IntRange(1), default=None,
-              help="Prompt tokens per prefill chunk; a new prompt is fed a chunk at a time between decode "
-              "steps  [default: 512 on a GPU, 64 on the CPU].")
+              help="Prompt tokens per prefill chunk (at most -b)  [default: 512 on a GPU, 64 on the CPU].")
+@click.option("-b", "--batch-size", type=click.IntRange(1), default=None,
+              help="Prompt tokens fed between two decode steps, in -ub chunks, across the new requests: the "
+              "generating slots wait at most this long for a new prompt, and a burst of requests is prefilled "
+              "before the decode steps it then shares  [default: 4 chunks: 2048 on a GPU, 256 on the CPU].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every "
               "interface).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
@@ -535,14 +538,14 @@ def run(artifact, prompt, raw, max_tokens, ignore_eos, temperature, top_k, top_p
               "pass, the reply the same as with off. auto: ngram at -np 1 (measured faster on the CPU and the GPU), else off.")
 @cache_type_options
 @refusals
-def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
+def serve(model, ctx_size, parallel, ubatch_size, batch_size, host, port, api_key, n_predict, alias, device, tp, metrics,
           max_queue, threads, check, draft, cache_type_k, cache_type_v):
     """Serve a model over HTTP with the OpenAI API (llama-server's flags).
 
     Each of the --parallel slots holds one request: the slots that generate are decoded
     together, one row each of one decode step, so the weights are read once per step for
-    all of them; a new request's prompt is fed in --ubatch-size chunks between decode
-    steps and its slot then joins the step (continuous batching). More requests than slots
+    all of them; new requests' prompts are fed in --ubatch-size chunks, up to --batch-size
+    tokens between two decode steps, and their slots then join the step (continuous batching). More requests than slots
     wait in a queue of --max-queue. A request starts in an empty slot, or in the slot that
     already holds the start of its prompt (the previous turn of a conversation, a shared
     system prompt): those tokens are not computed again (cache_prompt, on by default; the
@@ -567,13 +570,13 @@ def serve(model, ctx_size, parallel, ubatch_size, host, port, api_key, n_predict
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
-    At start one line says what was chosen (device, TP, slots, context, ubatch, memory)
+    At start one line says what was chosen (device, TP, slots, context, ubatch, batch, memory)
     and which flag changes each. Ctrl-C stops the server. docs/serve.md has the rest.
     """
     from bloomery.serve import Settings, serve as run_server
 
     sys.exit(run_server(Settings(model=model, ctx=ctx_size or None, parallel=parallel, ubatch=ubatch_size,
-                                 host=host, port=port, api_key=api_key or None, n_predict=n_predict, alias=alias,
+                                 batch=batch_size, host=host, port=port, api_key=api_key or None, n_predict=n_predict, alias=alias,
                                  device=device, tp=tp, metrics=metrics, threads=threads, max_queue=max_queue,
                                  check=check, cache_types=(cache_type_k, cache_type_v), draft=draft)))
 

@@ -39,7 +39,8 @@ class Settings:
     model: Path
     ctx: int | None = None          # per slot; None: the model's, at most 4096
     parallel: int = 4
-    ubatch: int | None = None       # None: 512 on a GPU, 64 on the CPU
+    ubatch: int | None = None       # None: 512 on a GPU, 64 on the CPU (at most batch)
+    batch: int | None = None        # prompt tokens fed between two decode steps; None: 4 ubatch chunks
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
@@ -86,7 +87,8 @@ def load(s: Settings):
     t0 = time.perf_counter()
     art = open_model(s)
     dev = devices.resolve(s.device)
-    ub = s.ubatch or (512 if dev == "cuda" else 64)
+    ub = min(s.ubatch or (512 if dev == "cuda" else 64), s.batch or 1 << 30)      # -ub at most -b, as llama.cpp
+    s.batch = s.batch or 4 * ub
     # the verify program is bound (graphs captured on the GPU) only where a slot may draft: -np 1
     drafts_here = s.draft != "off" and s.parallel == 1
     eng = Engine(art, device=s.device, ctx=s.ctx, slots=s.parallel, ubatch=ub, threads=s.threads,
@@ -111,7 +113,7 @@ def load(s: Settings):
     src = "artifact" if not getattr(art, "in_memory", False) else "checkpoint folder compiled in memory"
     line = (f"bloomery serve: {s.model_id} ({src}, {time.perf_counter() - t0:.1f} s) | device {eng.device} (--device) "
             f"| tp {art.tp} (--tp) | {eng.slots} slots (-np) | context {eng.ctx} per slot (-c; the model's "
-            f"{eng.context_length}) | ubatch {eng.ubatch} (-ub) | memory {_mib(mem['weights'])} weights + "
+            f"{eng.context_length}) | ubatch {eng.ubatch} (-ub) | batch {s.batch} (-b) | memory {_mib(mem['weights'])} weights + "
             f"{_mib(mem['state'])} KV/state (-c, -np; KV {'/'.join(eng.cache_types)}: -ctk, -ctv) | draft {s.draft} "
             f"(--draft) | http://{s.host}:{s.port} (--host, --port)")
     if getattr(eng.exec, "aot_line", None):                # the CUDA executor's kernels (BLOOMERY_AOT)
@@ -249,7 +251,8 @@ class Server:
 
     def load(self) -> str:
         eng, self.text, line = load(self.s)
-        self.sched = Scheduler(eng, self.text, max_queue=self.s.max_queue, draft=self.s.draft)
+        self.sched = Scheduler(eng, self.text, max_queue=self.s.max_queue, draft=self.s.draft,
+                               batch=self.s.batch)
         return line
 
     def ready(self) -> Scheduler:

@@ -6,8 +6,10 @@ One thread owns the Engine and loops:
   1. frees the slots of cancelled requests (a client that went away);
   2. admits waiting requests into free slots, oldest first: each takes the free slot that already
      holds the longest prefix of its prompt (prompt reuse, below), else the least recently used;
-  3. prefills one ubatch chunk of one admitted prompt (the oldest), so the generating slots wait
-     at most one chunk between two decode steps; a prompt's last chunk gives its first token;
+  3. prefills the admitted prompts (the oldest first) in ubatch chunks, up to `batch` prompt tokens
+     (llama-server's -b: the generating slots wait at most that many prompt tokens between two
+     decode steps); a prompt's last chunk gives its first token, and its slot joins the next step,
+     so the prompts of a burst of requests are fed before the decode steps they then all share;
   4. runs one step of the decode program: one row per generating slot, the other rows inactive
      (position -1), so the weights are read once for every request in the step; each slot's next
      token is the plan's argmax (temperature 0) or drawn from its request's own seeded generator.
@@ -119,10 +121,12 @@ class _Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, text: Text, *, max_queue: int = 64, draft: str = "off"):
+    def __init__(self, engine: Engine, text: Text, *, max_queue: int = 64, draft: str = "off",
+                 batch: int | None = None):
         if draft not in ("off", "ngram"):
             raise ValueError(f"the scheduler drafts with 'ngram' or 'off', not {draft!r}")
         self.eng, self.text = engine, text
+        self.batch = batch or engine.ubatch           # prompt tokens fed between two decode steps (at least a chunk)
         self.drafting = draft == "ngram" and engine.draft_max > 0
         self.max_queue = max_queue
         self.slots = [_Slot(i) for i in range(engine.slots)]
@@ -184,7 +188,9 @@ class Scheduler:
                         return
                     self._drop_cancelled()
                     self._admit()
-                self._prefill_chunk()
+                fed = 0                             # whole chunks, at most batch tokens (one at least)
+                while self.admitted and (fed == 0 or fed + self._next_chunk() <= self.batch):
+                    fed += self._prefill_chunk()
                 self._decode_step()
             except Exception as e:              # a failed step fails its requests, never the server
                 traceback.print_exc()
@@ -244,9 +250,11 @@ class Scheduler:
         p = s.req.params
         return int(greedy) if p.temperature <= 0 else sample(row, s.rng, p.temperature, p.top_k, p.top_p)
 
-    def _prefill_chunk(self) -> None:
-        if not self.admitted:
-            return
+    def _next_chunk(self) -> int:
+        return min(self.eng.ubatch, len(self.admitted[0].todo))
+
+    def _prefill_chunk(self) -> int:
+        """One ubatch chunk of the oldest admitted prompt; the prompt tokens it fed."""
         s = self.admitted[0]
         chunk = s.todo[:self.eng.ubatch]
         t0 = time.perf_counter()
@@ -256,11 +264,12 @@ class Scheduler:
         self.metrics["prompt_tokens"] += len(chunk)
         self.metrics["prompt_s"] += time.perf_counter() - t0
         if s.todo:
-            return
+            return len(chunk)
         self.admitted.pop(0)
         self._snapshot(s)
         s.req.t_first = time.perf_counter()
         self._take(s, self._pick(s, row, int(np.argmax(row))))
+        return len(chunk)
 
     def _decode_step(self) -> None:
         act = [s for s in self.slots if s.req is not None and s.next is not None]

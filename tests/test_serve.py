@@ -215,6 +215,7 @@ def test_start_line_names_every_choice_and_its_flag(smol, smol_folder):
             assert part in line, (part, line)
     assert "4 slots (-np)" in smol.start_line and "context 512 per slot" in smol.start_line
     assert "ubatch 32 (-ub)" in smol.start_line and "ubatch 64 (-ub)" in smol_folder.start_line
+    assert "batch 128 (-b)" in smol.start_line and "batch 256 (-b)" in smol_folder.start_line
     assert set(smol.health) <= {503, 200} and smol.health[-1] == 200
 
 
@@ -553,7 +554,8 @@ def test_serve_refuses_a_tp_its_artifact_was_not_prepared_with(tmp):
 def test_help_teaches():
     r = CliRunner().invoke(main, ["serve", "--help"])
     assert r.exit_code == 0
-    for flag in ("-m, --model", "-c, --ctx-size", "-np, --parallel", "-ub, --ubatch-size", "--host", "--port",
+    for flag in ("-m, --model", "-c, --ctx-size", "-np, --parallel", "-ub, --ubatch-size", "-b, --batch-size",
+                 "--host", "--port",
                  "--api-key", "BLOOMERY_API_KEY", "-n, --n-predict", "--alias", "--device", "--tp", "--metrics",
                  "/v1/chat/completions", "curl"):
         assert flag in r.output, flag
@@ -614,6 +616,42 @@ def _scheduled(art, draft, jobs):
     finally:
         sch.close()
     return res, held, dict(sch.metrics)
+
+
+@pytest.mark.parametrize("batch", [None, 16, 41, 42])
+def test_a_burst_of_prompts_is_fed_before_the_decode_steps_it_shares(batch):
+    """Three requests arriving together on three slots (prompts of 12, 14 and 16 tokens; -ub 16):
+    with -b 42 (their sum) all three prompts are fed before the first decode step, so every step decodes all
+    three (with -b 41 the third waits for one step); with -b 16 (one chunk, the scheduler's default) one prompt
+    goes in between two steps, so the first steps decode one and two rows. The replies are the same
+    in each case, and the same as each request served alone."""
+    from bloomery.runtime import Engine
+    from bloomery.runtime.scheduler import Params, Request, Scheduler
+    from bloomery.runtime.text import Text
+    art = artifact("tiny-llama/nvfp4")
+    prompts = [[1] + list(range(20 + 10 * i, 31 + 12 * i)) for i in range(3)]
+    assert [len(p) for p in prompts] == [12, 14, 16]
+
+    def served(jobs, slots):
+        eng = Engine(art, ctx=64, slots=slots, ubatch=16)
+        sch = Scheduler(eng, Text(eng.art, eng.eos_ids, eng.bos_id), batch=batch)
+        done = [threading.Event() for _ in jobs]
+        reqs = [Request(list(p), Params(max_tokens=6, ignore_eos=True),
+                        on_event=lambda k, x, d=d: d.set() if k in ("done", "error") else None)
+                for p, d in zip(jobs, done)]
+        try:
+            with sch.cond:                                # all waiting when the loop next looks
+                for r in reqs:
+                    sch.submit(r)
+            assert all(d.wait(60) for d in done) and all(r.finish == "length" for r in reqs)
+        finally:
+            sch.close()
+        return [r.ids for r in reqs], sch.metrics
+
+    ids, m = served(prompts, 3)
+    assert m["decode_rows"] == 3 * 5                        # 6 tokens a request: the first from its prompt
+    assert m["decode_steps"] == {42: 5, 41: 5 + 1}.get(batch, 5 + 2), m
+    assert ids == [served([p], 1)[0][0] for p in prompts]
 
 
 def test_a_draft_that_overruns_a_stop_keeps_the_state_snapshot_right(monkeypatch):
