@@ -15,7 +15,10 @@ gemv.TcGroup launch, both with and without programmatic dependent launch (member
 (checked against float64 first) against the CUDA-core kernels and, past 8 rows, the prompt GEMM (cuBLAS,
 bf16x2) that the executor used there before. --xg: also gemv.tc_config's shapes (with --bf16:
 bf16_tc_config's and every variant's) with x's 16-bit parts made once a launch (TcConfig.xg,
-Bf16TcConfig.xs), both forms in the same run, and a table of the two side by side.
+Bf16TcConfig.xs), both forms in the same run, and a table of the two side by side. --stages N ..: also
+gemv.tc_config's shapes with the weights staged N chunks deep (TcConfig.NS; the rule's is 2), each checked
+against float64 at its row count first, and a table of them beside the rule (shapes whose stages do not fit
+a CTA's shared memory are left out).
 """
 
 from __future__ import annotations
@@ -183,6 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
     ap.add_argument("--xg", action="store_true", help="also time tc_config's shapes with x's fragments made once, and XG_VARIANTS")
+    ap.add_argument("--stages", type=int, nargs="*", default=[], help="also tc_config's shapes staged this many chunks deep")
     ap.add_argument("--groups", action="store_true", help="only the q/k/v and gate/up groups (GROUPS)")
     ap.add_argument("--bf16", action="store_true", help="only BF16 weights (BF16_SHAPES, BF16_VARIANTS)")
     args = ap.parse_args(argv)
@@ -204,6 +208,11 @@ def main(argv=None) -> int:
                 ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
                 if not ok:
                     failures.append(f"{out}x{inn} {cfg} nb={nb} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
+        staged = {(nb, n): _staged(out, inn, nb, n) for nb in args.rows for n in args.stages}
+        for (nb, n), cfg in staged.items():
+            ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, False, tol=2e-5) if cfg else (True,) * 4
+            if not ok:
+                failures.append(f"{out}x{inn} {cfg} nb={nb}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
         del W64
         bufs = copies(a, lin.nbytes)
         lins = [G.Linear("nvfp4", (out, inn), b) for b in bufs]
@@ -218,6 +227,9 @@ def main(argv=None) -> int:
             if args.xg:                              # the rule's own shape with x's fragments made once
                 xc = dataclasses.replace(G.tc_config(out, inn, nb), xg=True)
                 rec["xg_us"] = time_linears([Tc(L, xc, part, sem) for L in lins], x, y, nb)[0] * 1e6
+            for n in args.stages:
+                cfg = staged[nb, n]
+                rec[f"ns{n}"] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6 if cfg else float("nan")
             rec["best"] = min((rec[repr(c)], repr(c)) for c in cfgs)
             rec["rule_cfg"] = repr(G.tc_config(out, inn, nb))
             res.append(rec)
@@ -259,7 +271,24 @@ def main(argv=None) -> int:
             t0 = sum(STACK[(r["out"], r["in"])] * r["tc_us"] for r in res if r["rows"] == nb) / 1e3
             t1 = sum(STACK[(r["out"], r["in"])] * r["xg_us"] for r in res if r["rows"] == nb) / 1e3
             log(f"Llama-3-8B linears a step at {nb} rows: {t0:.3f} ms, with xg {t1:.3f} ms ({t0 / t1:.3f}x)")
+    if args.stages:
+        log("\n## tc_config's shapes staged N chunks deep (TcConfig.NS): us a launch (nan: does not fit)")
+        log("| out x in | rows | tc_config | " + " | ".join(f"NS={n}" for n in args.stages) + " |")
+        log("|---|---|---|" + "---|" * len(args.stages))
+        for r in res:
+            log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} | "
+                + " | ".join(f"{r[f'ns{n}']:.2f} ({r['tc_us'] / r[f'ns{n}']:.3f}x)" for n in args.stages) + " |")
     return 1 if failures else 0
+
+
+def _staged(out: int, inn: int, nb: int, n: int):
+    """tc_config's shape at nb rows staged n chunks deep, or None where those stages do not fit a CTA."""
+    cfg = dataclasses.replace(G.tc_config(out, inn, nb), NS=n)
+    try:
+        G.tc_launch_shape(out, inn, nb, cfg)
+    except ValueError:
+        return None
+    return cfg
 
 
 if __name__ == "__main__":
