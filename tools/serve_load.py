@@ -170,7 +170,8 @@ def main(argv=None) -> int:
                 proc.wait(30)
         r = rows[-1]
         print(f"parallel {p:>3}: {r['requests']} requests, prompt {a.prompt}, {a.max_tokens} tokens each | "
-              f"aggregate decode {r.get('aggregate_decode_tok_s', 0):.1f} tok/s | end to end "
+              f"aggregate decode {r.get('aggregate_decode_tok_s', 0):.1f} tok/s ({r.get('rows_per_step', 0):.2f} rows "
+              f"a step) | end to end "
               f"{r['end_to_end_tok_s']:.1f} tok/s | per request {r['per_request_tok_s']:.1f} tok/s | "
               f"TTFT mean {r['ttft_mean_s'] * 1e3:.0f} ms, p90 {r['ttft_p90_s'] * 1e3:.0f} ms", flush=True)
     if len(rows) > 1 and rows[0].get("aggregate_decode_tok_s"):
