@@ -28,6 +28,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from bloomery import __version__
 from bloomery.runtime.errors import RuntimeRefusal
 from bloomery.runtime.scheduler import EmptyPrompt, Params, QueueFull, Request, Scheduler
 
@@ -310,6 +311,43 @@ def create_app(srv: Server) -> FastAPI:
         if not s.metrics:
             raise ApiError(501, "this server has no metrics endpoint: start it with --metrics", type_="not_supported_error")
         return PlainTextResponse(prometheus(srv.ready().stats()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/props")
+    async def props(http: HttpRequest):            # llama-server's: what a client needs to know of the server
+        auth(http)
+        sched = srv.ready()
+        return {"total_slots": len(sched.slots), "model_alias": s.model_id, "model_path": str(s.model),
+                "chat_template": srv.text.template or "",
+                "default_generation_settings": {"n_ctx": sched.eng.ctx, "n_predict": s.n_predict},
+                "build_info": f"bloomery {__version__}"}
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):         # llama-server's: the ids of a text, as a raw prompt takes them
+        auth(http)
+        srv.ready()
+        b = await body_of(http)
+        content = b.get("content")
+        if not isinstance(content, str):
+            raise _bad("content", "a string", content)
+        special, pieces = _bool(b, "add_special", False), _bool(b, "with_pieces", False)
+        ids = srv.text.tok.encode(content, add_special_tokens=special).ids
+        if pieces:
+            return {"tokens": [{"id": i, "piece": srv.text.decode([i], special=True)} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest):       # llama-server's: the text of ids (special tokens kept)
+        auth(http)
+        sched = srv.ready()
+        b = await body_of(http)
+        ids = b.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise _bad("tokens", "a list of token ids", ids)
+        try:
+            sched.eng.check_ids(ids, "tokens")
+        except (RuntimeRefusal, OverflowError) as e:
+            raise ApiError(400, str(e), "tokens") from None
+        return {"content": srv.text.decode(ids, special=True)}
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):

@@ -69,8 +69,9 @@ class Text:
     def encode_messages(self, messages: list[dict]) -> list[int]:
         return self.tok.encode(self.render_messages(messages), add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """The text of ids (special tokens left out unless `special`)."""
+        return self.tok.decode(list(ids), skip_special_tokens=not special)
 
     def stream(self) -> "Stream":
         return Stream(self)

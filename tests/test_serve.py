@@ -233,6 +233,39 @@ def test_models_and_api_key(smol):
     assert st == 200 and json.loads(b) == {"status": "ok"}
 
 
+def test_props_tokenize_detokenize_as_llama_server(smol):
+    """llama-server's /props, /tokenize and /detokenize: the ids are the checkpoint's own tokenizer's
+    (the tokenizers library on its tokenizer.json), /detokenize gives the text back, a wrong field is a
+    400 that names it, and each needs the key. (SmolLM2's tokenizer adds no special tokens, so
+    add_special gives the same ids here either way: its value is checked against the library's, its
+    type for a 400.)"""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(need(SMOL) / "tokenizer.json"))
+    st, _, b = smol.request("GET", "/props")
+    p = json.loads(b)
+    assert st == 200 and p["total_slots"] == 4 and p["default_generation_settings"]["n_ctx"] == 512
+    assert p["model_alias"] == "smol" and "im_start" in p["chat_template"]
+    text = "The capital of France is Paris. <|im_end|>"
+    for special in (False, True):
+        st, _, b = smol.request("POST", "/tokenize", {"content": text, "add_special": special})
+        assert st == 200 and json.loads(b)["tokens"] == tok.encode(text, add_special_tokens=special).ids
+    ids = tok.encode(text, add_special_tokens=False).ids
+    st, _, b = smol.request("POST", "/tokenize", {"content": text, "with_pieces": True})
+    pieces = json.loads(b)["tokens"]
+    assert [x["id"] for x in pieces] == ids and "".join(x["piece"] for x in pieces) == text
+    st, _, b = smol.request("POST", "/detokenize", {"tokens": ids})
+    assert st == 200 and json.loads(b) == {"content": tok.decode(ids, skip_special_tokens=False)} and text in b.decode()
+    for path, body, field in (("/tokenize", {"content": 7}, "content"), ("/tokenize", {"content": "a", "add_special": 1},
+                              "add_special"), ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens")):
+        st, _, b = smol.request("POST", path, body)
+        assert st == 400 and json.loads(b)["error"]["param"] == field, (path, body, b)
+    assert "outside the vocabulary" in json.loads(b)["error"]["message"]
+    for path, method in (("/props", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+        st, _, _ = smol.request(method, path, {"content": "a", "tokens": [1]}, key=None)
+        assert st == 401, path
+
+
 # -- replies ----------------------------------------------------------------------------------------
 
 def test_chat_and_completion_are_bloomery_run_greedy(smol, smol_folder):
@@ -557,7 +590,7 @@ def test_help_teaches():
     for flag in ("-m, --model", "-c, --ctx-size", "-np, --parallel", "-ub, --ubatch-size", "-b, --batch-size",
                  "--host", "--port",
                  "--api-key", "BLOOMERY_API_KEY", "-n, --n-predict", "--alias", "--device", "--tp", "--metrics",
-                 "/v1/chat/completions", "curl"):
+                 "/v1/chat/completions", "/props", "/tokenize", "curl"):
         assert flag in r.output, flag
 
 
