@@ -330,7 +330,7 @@ def create_app(srv: Server) -> FastAPI:
         if not isinstance(content, str):
             raise _bad("content", "a string", content)
         special, pieces = _bool(b, "add_special", False), _bool(b, "with_pieces", False)
-        ids = srv.text.tok.encode(content, add_special_tokens=special).ids
+        ids = srv.text.ids(content, special)
         if pieces:
             return {"tokens": [{"id": i, "piece": srv.text.decode([i], special=True)} for i in ids]}
         return {"tokens": ids}

@@ -63,8 +63,12 @@ class Text:
 
     def encode(self, prompt: str, raw: bool = False) -> list[int]:
         if raw:
-            return self.tok.encode(prompt, add_special_tokens=True).ids
+            return self.ids(prompt, special=True)
         return self.encode_messages([{"role": "user", "content": prompt}])
+
+    def ids(self, text: str, special: bool = False) -> list[int]:
+        """The tokenizer's ids of text as it is (its special tokens added where `special`)."""
+        return self.tok.encode(text, add_special_tokens=special).ids
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         return self.tok.encode(self.render_messages(messages), add_special_tokens=False).ids
