@@ -559,6 +559,7 @@ def serve(model, ctx_size, parallel, ubatch_size, batch_size, host, port, api_ke
       POST /v1/completions        a raw prompt (text or token ids)
       GET  /metrics               Prometheus text (with --metrics)
       GET  /props                 slots, context, chat template (llama-server's)
+      GET  /slots                 each slot: busy, tokens held (llama-server's)
       POST /tokenize, /detokenize text <-> token ids (llama-server's)
     Request fields: max_tokens (or max_completion_tokens), temperature (default 1; 0:
     greedy), top_p, top_k, seed, stop, stop_token_ids, stream, stream_options.include_usage,

@@ -321,6 +321,11 @@ def create_app(srv: Server) -> FastAPI:
                 "default_generation_settings": {"n_ctx": sched.eng.ctx, "n_predict": s.n_predict},
                 "build_info": f"bloomery {__version__}"}
 
+    @app.get("/slots")
+    async def slots(http: HttpRequest):            # llama-server's: each slot's state
+        auth(http)
+        return srv.ready().slot_states()
+
     @app.post("/tokenize")
     async def tokenize(http: HttpRequest):         # llama-server's: the ids of a text, as a raw prompt takes them
         auth(http)

@@ -171,6 +171,19 @@ class Scheduler:
             return {**self.metrics, "slots_total": len(self.slots),
                     "slots_busy": sum(s.req is not None for s in self.slots), "queue_length": len(self.waiting)}
 
+    def slot_states(self) -> list[dict]:
+        """Each slot as llama-server's GET /slots gives it (the fields it shares with it): whether a
+        request holds it, the tokens it holds (the KV rows a next prompt may reuse), what its request
+        has decoded and has left of its prompt."""
+        with self.cond:
+            out = []
+            for s in self.slots:
+                r = s.req
+                out.append({"id": s.index, "n_ctx": self.eng.ctx, "is_processing": r is not None,
+                            "n_cached": len(s.tokens), "n_prompt_left": len(s.todo) if r is not None else 0,
+                            "next_token": {"n_decoded": len(r.ids) if r is not None else 0}})
+            return out
+
     def close(self) -> None:
         with self.cond:
             self.stopping = True

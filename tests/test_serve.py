@@ -266,6 +266,21 @@ def test_props_tokenize_detokenize_as_llama_server(smol):
         assert st == 401, path
 
 
+def test_slots_say_what_each_holds(smol):
+    """llama-server's GET /slots: after a request of 37 prompt ids and 5 generated tokens, the slot it
+    ran in holds 37 + 4 tokens (the last chosen token is not fed), and no slot is busy."""
+    prompt = [int(i) for i in np.random.default_rng(7).integers(100, 5000, 37)]
+    st, _, b = smol.request("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                       "ignore_eos": True})
+    assert st == 200 and json.loads(b)["usage"]["completion_tokens"] == 5
+    st, _, b = smol.request("GET", "/slots")
+    slots = json.loads(b)
+    assert st == 200 and [x["id"] for x in slots] == [0, 1, 2, 3]
+    assert all(x["n_ctx"] == 512 and not x["is_processing"] and x["n_prompt_left"] == 0 for x in slots), slots
+    assert 37 + 4 in [x["n_cached"] for x in slots], slots
+    assert smol.request("GET", "/slots", key=None)[0] == 401
+
+
 # -- replies ----------------------------------------------------------------------------------------
 
 def test_chat_and_completion_are_bloomery_run_greedy(smol, smol_folder):
@@ -590,7 +605,7 @@ def test_help_teaches():
     for flag in ("-m, --model", "-c, --ctx-size", "-np, --parallel", "-ub, --ubatch-size", "-b, --batch-size",
                  "--host", "--port",
                  "--api-key", "BLOOMERY_API_KEY", "-n, --n-predict", "--alias", "--device", "--tp", "--metrics",
-                 "/v1/chat/completions", "/props", "/tokenize", "curl"):
+                 "/v1/chat/completions", "/props", "/slots", "/tokenize", "curl"):
         assert flag in r.output, flag
 
 
