@@ -190,6 +190,16 @@ __device__ __forceinline__ void splitk_finish(const float *part, int *sem, float
   if (threadIdx.x == 0) sem[tile] = 0;
 }
 
+// x's power of two, shared by the per-CTA staging (step 1 of gemv_nvfp4_tc) and gemv_tc_xfrag: the running
+// largest |x| over a float4; the power of two that brings a largest |x| m into [2^14, 2^15) (e = 0: 1, for m
+// zero or not finite) and its inverse
+__device__ __forceinline__ float absmax4(float m, float4 v) {
+  return fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+__device__ __forceinline__ int x_exp(float m) { return (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0; }
+__device__ __forceinline__ float x_scale(int e) { return __uint_as_float((u32)(127 + 14 - e) << 23); }
+__device__ __forceinline__ float x_inv(int e) { return __uint_as_float((u32)(127 - 14 + e) << 23); }
+
 // XG: x's fragments and powers of two come from gemv_tc_xfrag (launched just before, once for the whole
 // row: xf, xig) instead of each CTA making its slice's in shared memory (steps 1 and 2 below skipped)
 template <int NT>
@@ -204,8 +214,7 @@ __global__ void __launch_bounds__(256) gemv_tc_xfrag(const float *x, uint4 *xf, 
   float m = 0.f;
   if (b < nb)
     for (int i = threadIdx.x; i < (in >> 2); i += 256) {
-      const float4 v = reinterpret_cast<const float4 *>(xr)[i];
-      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      m = absmax4(m, reinterpret_cast<const float4 *>(xr)[i]);
     }
 #pragma unroll
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -214,9 +223,9 @@ __global__ void __launch_bounds__(256) gemv_tc_xfrag(const float *x, uint4 *xf, 
   m = red[0];
 #pragma unroll
   for (int w = 1; w < 8; w++) m = fmaxf(m, red[w]);
-  const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;
-  const float s = __uint_as_float((u32)(127 + 14 - e) << 23);
-  if (threadIdx.x == 0) xig[b] = __uint_as_float((u32)(127 - 14 + e) << 23);
+  const int e = x_exp(m);
+  const float s = x_scale(e);
+  if (threadIdx.x == 0) xig[b] = x_inv(e);
   // piece p: block j, half h, lane column c: elements 64 j + 16 c + 8 h .. + 7, for lanes 8 bb + 4 pt + c
   for (int p = threadIdx.x; p < (in >> 6) * 8; p += 256) {
     const int j = p >> 3, h = (p >> 2) & 1, c = p & 3;
@@ -301,15 +310,14 @@ __global__ void __launch_bounds__(W * 32) gemv_nvfp4_tc(const u8 *__restrict__ W
     float m = 0.f;
     if (b < nb)
       for (int i = lane; i < nj * 16; i += 32) {
-        const float4 v = reinterpret_cast<const float4 *>(x + (size_t)b * in + k0)[i];
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        m = absmax4(m, reinterpret_cast<const float4 *>(x + (size_t)b * in + k0)[i]);
       }
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) {
-      const int e = (m > 0.f && m < 3.0e38f) ? max(ilogbf(m), -100) : 0;
-      xscale[b] = __uint_as_float((u32)(127 + 14 - e) << 23);
-      xinv[b] = __uint_as_float((u32)(127 - 14 + e) << 23);
+      const int e = x_exp(m);
+      xscale[b] = x_scale(e);
+      xinv[b] = x_inv(e);
     }
   }
   __syncthreads();
