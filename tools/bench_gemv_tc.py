@@ -18,7 +18,10 @@ bf16_tc_config's and every variant's) with x's 16-bit parts made once a launch (
 Bf16TcConfig.xs), both forms in the same run, and a table of the two side by side. --stages N ..: also
 gemv.tc_config's shapes with the weights staged N chunks deep (TcConfig.NS; the rule's is 2), each checked
 against float64 at its row count first, and a table of them beside the rule (shapes whose stages do not fit
-a CTA's shared memory are left out).
+a CTA's shared memory are left out). --sweep: also every TcConfig of SWEEP (warps, m-tiles, grid, stages, x
+made once) that fits a CTA at each row count, each checked against float64 at that row count first, and a
+table per shape of the rule against the fastest few, with the 8B stack's linears at the rule and at the best
+per shape.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ VARIANTS = [G.TcConfig(NS=2), G.TcConfig(W=8, ctas=528, NS=2), G.TcConfig(MT=1, 
             G.TcConfig(W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=1, ctas=528, NS=2, xcap=16 * K),
             G.TcConfig(MT=4, W=8, ctas=528, NS=2, xcap=16 * K), G.TcConfig(MT=4, W=8, ctas=528, NS=2),
             G.TcConfig(W=8, ctas=1056, NS=2, xcap=16 * K)]
+SWEEP = dict(MT=(1, 2), W=(2, 4, 8), ctas=(132, 264, 528), NS=(2, 3, 4, 6), xg=(False, True))
 XG_VARIANTS = [G.TcConfig(MT=1, W=8, ctas=264, NS=2, xg=True), G.TcConfig(W=8, ctas=528, NS=2, xg=True),
                G.TcConfig(MT=1, W=8, ctas=528, NS=2, xg=True)]
 
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", action="store_true", help="also time the TcConfig variants (VARIANTS)")
     ap.add_argument("--xg", action="store_true", help="also time tc_config's shapes with x's fragments made once, and XG_VARIANTS")
     ap.add_argument("--stages", type=int, nargs="*", default=[], help="also tc_config's shapes staged this many chunks deep")
+    ap.add_argument("--sweep", action="store_true", help="also every TcConfig of SWEEP that fits (slow: ~100 a shape)")
     ap.add_argument("--groups", action="store_true", help="only the q/k/v and gate/up groups (GROUPS)")
     ap.add_argument("--bf16", action="store_true", help="only BF16 weights (BF16_SHAPES, BF16_VARIANTS)")
     args = ap.parse_args(argv)
@@ -209,6 +214,13 @@ def main(argv=None) -> int:
                 if not ok:
                     failures.append(f"{out}x{inn} {cfg} nb={nb} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
         staged = {(nb, n): _staged(out, inn, nb, n) for nb in args.rows for n in args.stages}
+        swept = {nb: _swept(out, inn, nb) for nb in args.rows} if args.sweep else {}
+        for nb, cs in swept.items():
+            for cfg in list(cs):
+                ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, False, tol=2e-5)
+                if not ok:
+                    cs.remove(cfg)
+                    failures.append(f"{out}x{inn} {cfg} nb={nb}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
         for (nb, n), cfg in staged.items():
             ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, False, tol=2e-5) if cfg else (True,) * 4
             if not ok:
@@ -230,6 +242,10 @@ def main(argv=None) -> int:
             for n in args.stages:
                 cfg = staged[nb, n]
                 rec[f"ns{n}"] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6 if cfg else float("nan")
+            if swept:
+                rec["sweep"] = sorted((time_linears([Tc(L, c, part, sem) for L in lins], x, y, nb)[0] * 1e6, repr(c))
+                                      for c in swept[nb])
+                log(f"  swept {len(swept[nb])}: " + "  ".join(f"{t:.2f} {c}" for t, c in rec["sweep"][:3]))
             rec["best"] = min((rec[repr(c)], repr(c)) for c in cfgs)
             rec["rule_cfg"] = repr(G.tc_config(out, inn, nb))
             res.append(rec)
@@ -278,7 +294,39 @@ def main(argv=None) -> int:
         for r in res:
             log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} | "
                 + " | ".join(f"{r[f'ns{n}']:.2f} ({r['tc_us'] / r[f'ns{n}']:.3f}x)" for n in args.stages) + " |")
+    if args.sweep:
+        log("\n## SWEEP: tc_config's shape against the fastest swept ones, us a launch (% copy)")
+        log("| out x in | rows | tc_config | fastest | 2nd | 3rd | speed |")
+        log("|---|---|---|---|---|---|---|")
+        for r in res:
+            sw = r["sweep"]
+            log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} ({100 * r['bytes'] / (r['tc_us'] * 1e-6) / bw:.1f}%) | "
+                + " | ".join(f"{t:.2f} {_short(c)}" for t, c in sw[:3]) + f" | {r['tc_us'] / sw[0][0]:.3f}x |")
+        for nb in args.rows:
+            t0 = sum(STACK[(r["out"], r["in"])] * r["tc_us"] for r in res if r["rows"] == nb) / 1e3
+            t1 = sum(STACK[(r["out"], r["in"])] * min(r["tc_us"], r["sweep"][0][0]) for r in res if r["rows"] == nb) / 1e3
+            log(f"Llama-3-8B linears a step at {nb} rows: tc_config {t0:.3f} ms, best swept per shape {t1:.3f} ms ({t0 / t1:.3f}x)")
     return 1 if failures else 0
+
+
+def _short(c: str) -> str:
+    """A TcConfig's repr as MT/W/ctas/NS[/xg]."""
+    f = dict(kv.split("=") for kv in c[c.index("(") + 1:-1].split(", "))
+    return f"{f['MT']}/{f['W']}/{f['ctas']}/{f['NS']}" + ("/xg" if f["xg"] == "True" else "")
+
+
+def _swept(out: int, inn: int, nb: int) -> list:
+    """SWEEP's TcConfigs that fit a CTA at nb rows (whose launch shape tc_launch_shape accepts)."""
+    import itertools
+    cs = []
+    for MT, W, ctas, NS, xg in itertools.product(*SWEEP.values()):
+        cfg = G.TcConfig(MT=MT, W=W, ctas=ctas, NS=NS, xg=xg)
+        try:
+            G.tc_launch_shape(out, inn, nb, cfg)
+        except ValueError:
+            continue
+        cs.append(cfg)
+    return cs
 
 
 def _staged(out: int, inn: int, nb: int, n: int):
