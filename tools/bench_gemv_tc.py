@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
                 cfg = staged[nb, n]
                 rec[f"ns{n}"] = time_linears([Tc(L, cfg, part, sem) for L in lins], x, y, nb)[0] * 1e6 if cfg else float("nan")
             if swept:
-                rec["sweep"] = sorted((time_linears([Tc(L, c, part, sem) for L in lins], x, y, nb)[0] * 1e6, repr(c))
+                rec["sweep"] = sorted((time_linears([Tc(L, c, part, sem) for L in lins], x, y, nb)[0] * 1e6, _short(c))
                                       for c in swept[nb])
                 log(f"  swept {len(swept[nb])}: " + "  ".join(f"{t:.2f} {c}" for t, c in rec["sweep"][:3]))
             rec["best"] = min((rec[repr(c)], repr(c)) for c in cfgs)
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         for r in res:
             sw = r["sweep"]
             log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} ({100 * r['bytes'] / (r['tc_us'] * 1e-6) / bw:.1f}%) | "
-                + " | ".join(f"{t:.2f} {_short(c)}" for t, c in sw[:3]) + f" | {r['tc_us'] / sw[0][0]:.3f}x |")
+                + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['tc_us'] / sw[0][0]:.3f}x |")
         for nb in args.rows:
             t0 = sum(STACK[(r["out"], r["in"])] * r["tc_us"] for r in res if r["rows"] == nb) / 1e3
             t1 = sum(STACK[(r["out"], r["in"])] * min(r["tc_us"], r["sweep"][0][0]) for r in res if r["rows"] == nb) / 1e3
@@ -309,34 +310,30 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def _short(c: str) -> str:
-    """A TcConfig's repr as MT/W/ctas/NS[/xg]."""
-    f = dict(kv.split("=") for kv in c[c.index("(") + 1:-1].split(", "))
-    return f"{f['MT']}/{f['W']}/{f['ctas']}/{f['NS']}" + ("/xg" if f["xg"] == "True" else "")
+def _short(c) -> str:
+    """A TcConfig as MT/W/ctas/NS[/xg]."""
+    return f"{c.MT}/{c.W}/{c.ctas}/{c.NS}" + ("/xg" if c.xg else "")
+
+
+def _fits(out: int, inn: int, nb: int, cfg) -> bool:
+    """Whether a launch of cfg at nb rows fits a CTA (tc_launch_shape accepts it)."""
+    try:
+        G.tc_launch_shape(out, inn, nb, cfg)
+    except ValueError:
+        return False
+    return True
 
 
 def _swept(out: int, inn: int, nb: int) -> list:
-    """SWEEP's TcConfigs that fit a CTA at nb rows (whose launch shape tc_launch_shape accepts)."""
-    import itertools
-    cs = []
-    for MT, W, ctas, NS, xg in itertools.product(*SWEEP.values()):
-        cfg = G.TcConfig(MT=MT, W=W, ctas=ctas, NS=NS, xg=xg)
-        try:
-            G.tc_launch_shape(out, inn, nb, cfg)
-        except ValueError:
-            continue
-        cs.append(cfg)
-    return cs
+    """SWEEP's TcConfigs that fit a CTA at nb rows."""
+    cfgs = (G.TcConfig(**dict(zip(SWEEP, v))) for v in itertools.product(*SWEEP.values()))
+    return [c for c in cfgs if _fits(out, inn, nb, c)]
 
 
 def _staged(out: int, inn: int, nb: int, n: int):
     """tc_config's shape at nb rows staged n chunks deep, or None where those stages do not fit a CTA."""
     cfg = dataclasses.replace(G.tc_config(out, inn, nb), NS=n)
-    try:
-        G.tc_launch_shape(out, inn, nb, cfg)
-    except ValueError:
-        return None
-    return cfg
+    return cfg if _fits(out, inn, nb, cfg) else None
 
 
 if __name__ == "__main__":
