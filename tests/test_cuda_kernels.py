@@ -294,7 +294,8 @@ def test_gemv_nvfp4_tensor_cores(shape):
 
 @pytest.mark.parametrize("cfg", [G.TcConfig(), G.TcConfig(MT=1, W=8, U=2, ctas=132, min_blocks=1), G.TcConfig(NS=3),
                                  G.TcConfig(NS=2, MT=1, W=8, ctas=528), G.TcConfig(NS=2, MT=1, W=8, ctas=264, xg=True),
-                                 G.TcConfig(ctas=528, xg=True)])
+                                 G.TcConfig(ctas=528, xg=True), G.TcConfig(NS=2, xg=True),
+                                 G.TcConfig(NS=2, W=2, xg=True)])
 @pytest.mark.parametrize("shape", [(1, 64), (7, 128), (130, 320), (576, 1536), (1536, 576), (257, 4096),
                                    (1024, 4096), (300, 14336)])
 def test_gemv_tc_matches_float64(shape, cfg):
@@ -327,7 +328,7 @@ def test_gemv_tc_matches_float64(shape, cfg):
     assert (ys[0] == ys[1]).all(), "two launches differ: the reduction is not deterministic"
 
 
-@pytest.mark.parametrize("cfg", [None, G.TcConfig(NS=2, MT=1, W=8, ctas=264, xg=True)])
+@pytest.mark.parametrize("cfg", [None, G.TcConfig(NS=2, MT=1, W=8, ctas=264, xg=True), G.TcConfig(NS=2, xg=True)])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("outs, inn", [((4096, 1024, 1024), 4096), ((320, 64, 130), 1536), ((14336, 14336), 4096),
                                        ((257, 7), 128)])
@@ -387,7 +388,7 @@ def test_gemv_tc_group_refusals():
     rng = np.random.default_rng(3)
     mk = lambda o, i, f="nvfp4": G.Linear(f, (o, i), {k: cp.asarray(v) for k, v in artifact(f, (o, i), rng)[1].items()})
     a, b = mk(4096, 4096), mk(14336, 4096)
-    with pytest.raises(ValueError, match="one kernel shape"):       # 8 warps a CTA against 4 at 16 rows
+    with pytest.raises(ValueError, match="one kernel shape"):       # 8 warps a CTA against 4 at 16 rows (tc_config)
         G.TcGroup([a, b], 16)
     with pytest.raises(ValueError, match="one width"):
         G.TcGroup([a, mk(64, 128)], 16)

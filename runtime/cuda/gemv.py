@@ -260,15 +260,19 @@ def tc_staged(inn: int, cfg: TcConfig) -> bool:
     return cfg.NS > 0 and cfg.U == 4 and inn % 256 == 0
 
 
-def tc_config(out: int, inn: int, nb: int) -> TcConfig:
+def tc_config(out: int, inn: int, nb: int, members: int = 1) -> TcConfig:
     """The measured best shape (tools/bench_gemv_tc.py --variants, H200, 2026-12-01 and 2026-12-04,
     docs/kernels.md): weights staged two chunks deep; four m-tiles a warp for the output head; from 5
     rows (two or four n-tiles) 8 warps a CTA, one m-tile a warp and a 264-CTA grid, except the wide
-    gate / up (two m-tiles, 528 CTAs from 9 rows); up to 4 rows one m-tile a warp and a wider grid up to
-    4096 x 4096; x's fragments made once (TcConfig.xg) for the wide down projection past 8 rows (4096 x
-    14336 at 16 rows: 38.7 against 41.1 us; every other shape loses, 0.74-0.99x, 2026-12-06), unless
-    BLOOMERY_TC_XG=off."""
-    cfg = _tc_config(out, inn, nb)
+    gate / up (two m-tiles); up to 4 rows one m-tile a warp and a wider grid up to
+    4096 x 4096. Past 8 rows (the 16-row sweep, tools/bench_gemv_tc.py --sweep, H100, 2026-12-07) the
+    staged (in % 256 == 0) wide shapes (gate / up, down, the head) take small CTAs of two m-tiles a warp
+    on a 264-CTA grid with x's fragments made once (TcConfig.xg): 4 warps (2 for the head), 1.21-1.31x
+    the rule before it. members: the matrices of the TcGroup launch, whose CTAs add up: from 5 rows the
+    q / k / v of 4096 in (the width measured) take two m-tiles a warp on a 132-CTA grid each (the group
+    sweep, --groups --sweep: 1.22x at 8 rows, 1.25x at 16). BLOOMERY_TC_XG=off keeps each shape and
+    makes x per CTA."""
+    cfg = _tc_config(out, inn, nb, members)
     return cfg if _x_once() else dataclasses.replace(cfg, xg=False)
 
 
@@ -282,14 +286,19 @@ def _align4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _tc_config(out: int, inn: int, nb: int) -> TcConfig:
+def _tc_config(out: int, inn: int, nb: int, members: int = 1) -> TcConfig:
+    if nb > 4 and members > 2 and out <= 4096 and inn == 4096:     # the 8B q / k / v (the group sweep,
+        return TcConfig(MT=2, W=8, ctas=132, NS=2)                  # H100, 2026-12-07: the one width measured)
+    if nb > 8 and inn % 256 == 0:                    # 16-row sweep, H100, 2026-12-07 (docs/kernels.md)
+        if out >= 65536:
+            return TcConfig(MT=2, W=2, ctas=264, NS=2, xg=True)
+        if inn > 8192 or (out > inn and out > 4096):
+            return TcConfig(MT=2, W=4, ctas=264, NS=2, xg=True)
     if out >= 65536:
         return TcConfig(MT=4 if nb > 4 else 2, W=8, ctas=528, NS=2)
-    if nb > 8 and inn > 8192:
-        return TcConfig(MT=1, W=8, ctas=264, NS=2, xg=True)
     if nb > 4:
         if out > inn and out > 4096:
-            return TcConfig(W=8, ctas=528 if nb > 8 else 264, NS=2)
+            return TcConfig(W=8, ctas=264, NS=2)
         return TcConfig(MT=1, W=8, ctas=264, NS=2)
     if out <= 4096 and inn <= 4096:
         return TcConfig(MT=1, ctas=528, NS=2)
@@ -403,7 +412,7 @@ class TcGroup:
                 or len({L.inn for L in lins}) != 1:
             raise ValueError(f"gemv_tc: 1..{TC_MEMBERS} GGML NVFP4 matrices of one width, got "
                              f"{[(L.kind, L.out, L.inn) for L in lins]}")
-        cfgs = [cfg or tc_config(L.out, L.inn, nb) for L in lins]
+        cfgs = [cfg or tc_config(L.out, L.inn, nb, len(lins)) for L in lins]
         shapes = [tc_launch_shape(L.out, L.inn, nb, c) for L, c in zip(lins, cfgs)]
         if len(set(cfgs)) != 1 or len({s[0] for s in shapes}) != 1:
             raise ValueError(f"gemv_tc: members of one launch need one kernel shape, got {cfgs}")
