@@ -21,7 +21,9 @@ against float64 at its row count first, and a table of them beside the rule (sha
 a CTA's shared memory are left out). --sweep: also every TcConfig of SWEEP (warps, m-tiles, grid, stages, x
 made once) that fits a CTA at each row count, each checked against float64 at that row count first, and a
 table per shape of the rule against the fastest few, with the 8B stack's linears at the rule and at the best
-per shape.
+per shape; with --groups, the q/k/v and gate/up groups at every swept TcConfig that fits each member (each member
+checked against float64 first, the group launched whole), against tc_config's; with --bf16, every Bf16TcConfig
+of BF16_SWEEP (each checked against float64 at each row count) against bf16_tc_config's.
 """
 
 from __future__ import annotations
@@ -78,16 +80,33 @@ class Tc:
 GROUPS = {"q,k,v": [(4096, 4096), (1024, 4096), (1024, 4096)], "gate,up": [(14336, 4096), (14336, 4096)]}
 
 
-def bench_groups(rows, bw) -> int:
-    """us a launch of each group of GROUPS, its members alone and as one TcGroup, PDL off / on."""
+def bench_groups(rows, bw, sweep: bool = False) -> int:
+    """us a launch of each group of GROUPS, its members alone and as one TcGroup, PDL off / on; sweep: also
+    the group (PDL on) at every TcConfig of SWEEP that fits each member, each checked against float64 first."""
     failures, table = 0, []
     for name, shapes in GROUPS.items():
         arrs = [make_arrays("nvfp4", o, i) for o, i in shapes]
         nbytes = sum(G.Linear("nvfp4", s, a).nbytes for s, a in zip(shapes, arrs))
+        swept = {}
+        if sweep:                                    # float64 checks first, one member's reference at a time
+            lins = [G.Linear("nvfp4", s, a) for s, a in zip(shapes, arrs)]
+            for nb in rows:
+                swept[nb] = [c for c in _swept_all() if all(_fits(o, i, nb, c) for o, i in shapes)]
+            for m, (o, i) in enumerate(shapes):
+                W64 = ref_decode("nvfp4", arrs[m], o, i)
+                for nb, cs in swept.items():
+                    for cfg in list(cs):
+                        ok, rel, worst, fin = check_one(_Member(lins, m, nb, cfg), W64, nb, False, tol=2e-5)
+                        if not ok:
+                            cs.remove(cfg)
+                            failures += 1
+                            log(f"FAIL {name} member {m} {_short(cfg)} rows {nb}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
+                del W64
+            del lins
         sets = [[{k: v.copy() for k, v in a.items()} for a in arrs] for _ in copies(arrs[0], nbytes)[1:]] + [arrs]
         for nb in rows:
             x = cp.random.standard_normal((nb, shapes[0][1]), dtype=cp.float32)
-            rec = {"group": name, "rows": nb}
+            rec = {"group": name, "rows": nb, "bytes": nbytes}
             for pdl in (False, True):
                 lin_sets = [[G.Linear("nvfp4", s, a, pdl=pdl) for s, a in zip(shapes, st)] for st in sets]
                 ys = [cp.zeros((nb, o), cp.float32) for o, _ in shapes]
@@ -106,6 +125,10 @@ def bench_groups(rows, bw) -> int:
                 est = nbytes / 3.5e12 + 1e-5
                 rec[f"alone{int(pdl)}"] = time_calls(sep, est)[0] * 1e6
                 rec[f"group{int(pdl)}"] = time_calls(one, est)[0] * 1e6
+                if pdl and nb in swept:
+                    rec["rule_cfg"] = _short(grps[0].cfg)
+                    rec["sweep"] = sorted((_time_group(lin_sets, nb, c, x, ys, est), _short(c)) for c in swept[nb])
+                    log(f"  swept {len(swept[nb])}: " + "  ".join(f"{t:.2f} {c}" for t, c in rec["sweep"][:3]))
             rec["pct"] = 100 * nbytes / (rec["group1"] * 1e-6) / bw
             table.append(rec)
             log(f"{name:8s} rows {nb:2d}: alone {rec['alone0']:7.2f} / pdl {rec['alone1']:7.2f} us   "
@@ -118,7 +141,35 @@ def bench_groups(rows, bw) -> int:
     for r in table:
         log(f"| {r['group']} | {r['rows']} | {r['alone0']:.2f} | {r['alone1']:.2f} | {r['group0']:.2f} | "
             f"{r['group1']:.2f} | {r['pct']:.1f} | {r['alone1'] / r['group1']:.2f}x |")
+    if sweep:
+        log("\n## SWEEP of the groups: tc_config's shape against the fastest swept ones, one launch with PDL, us (% copy)")
+        log("| group | rows | tc_config | fastest | 2nd | 3rd | speed |")
+        log("|---|---|---|---|---|---|---|")
+        for r in table:
+            sw = r.get("sweep")
+            if sw:
+                log(f"| {r['group']} | {r['rows']} | {r['group1']:.2f} {r['rule_cfg']} ({r['pct']:.1f}%) | "
+                    + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['group1'] / sw[0][0]:.3f}x |")
     return failures
+
+
+class _Member:
+    """check_one's calling convention for member m of a TcGroup launch at cfg (the group launched whole)."""
+    def __init__(self, lins, m, nb, cfg):
+        self.grp, self.m, self.out, self.inn = G.TcGroup(lins, nb, cfg), m, lins[m].out, lins[m].inn
+
+    def __call__(self, x, y, accumulate=False):
+        nb = x.shape[0]
+        ys = [y if i == self.m else cp.zeros((nb, L.out), cp.float32) for i, L in enumerate(self.grp.lins)]
+        self.grp.launch(x, ys, accumulate)
+
+
+def _time_group(lin_sets, nb, cfg, x, ys, est) -> float:
+    """us a launch of the groups of lin_sets (rotating over the weight copies) at cfg, PDL on."""
+    grps = [G.TcGroup(ls, nb, cfg) for ls in lin_sets]
+    part = cp.zeros(max(max(g.need()[0] for g in grps), 1), cp.float32)
+    sem = cp.zeros(max(g.need()[1] for g in grps), cp.int32)
+    return time_calls([lambda g=g: g.launch(x, ys, False, part, sem) for g in grps], est)[0] * 1e6
 
 
 BF16_SHAPES = [(128256, 4096), (49152, 576), (4096, 4096), (14336, 4096)]
@@ -126,26 +177,36 @@ BF16_VARIANTS = [G.Bf16TcConfig(), G.Bf16TcConfig(ctas=264), G.Bf16TcConfig(ctas
                  G.Bf16TcConfig(MT=1, W=8)]
 
 
-def bench_bf16(rows, bw, xg: bool = False) -> int:
+BF16_SWEEP = dict(MT=(1, 2, 4), W=(2, 4, 8), ctas=(132, 264, 528, 1056), xs=(False, True))
+
+
+def bench_bf16(rows, bw, xg: bool = False, sweep: bool = False) -> int:
     """us a launch of BF16 weights at several rows: CUDA cores, the prompt GEMM past 8 rows, gemv_bf16_tc
-    (xg: also each variant with x's parts made once, Bf16TcConfig.xs)."""
+    (xg: also each variant with x's parts made once, Bf16TcConfig.xs; sweep: every Bf16TcConfig of
+    BF16_SWEEP instead of the variants, and a table of the rule against the fastest few)."""
     variants = BF16_VARIANTS + ([dataclasses.replace(c, xs=True) for c in BF16_VARIANTS] if xg else [])
+    if sweep:
+        variants = [G.Bf16TcConfig(**dict(zip(BF16_SWEEP, v))) for v in itertools.product(*BF16_SWEEP.values())]
     from bloomery.runtime.cuda import gemm as M
     failures, table = 0, []
     part = cp.zeros(1 << 24, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
     gs = cp.cuda.Stream(non_blocking=True)
     mm = M.Matmul(gs, "bf16x2")                  # its cuBLAS handle runs on gs: timed there (time_calls' stream)
-    for out, inn in BF16_SHAPES:
+    for out, inn in (BF16_SHAPES if not sweep else [s for s in BF16_SHAPES if s[0] >= 32768]):   # sweep: the heads
         a = make_arrays("bf16", out, inn)
         lin = G.Linear("bf16", (out, inn), a)
         W64 = ref_decode("bf16", a, out, inn)
-        for cfg in variants:
-            for nb, acc in ((16, False), (11, True), (3, False), (1, False)):
+        checks = ((16, False), (11, True), (3, False), (1, False)) if not sweep else tuple((nb, False) for nb in rows)
+        for cfg in list(variants):
+            for nb, acc in checks:
                 ok, rel, worst, fin = check_one(Tc(lin, cfg, part, sem), W64, nb, acc, tol=2e-5)
                 if not ok:
                     failures += 1
                     log(f"FAIL bf16 {out}x{inn} {cfg} nb={nb} acc={acc}: rel {rel:.2e} worst {worst:.2e} finite {fin}")
+                    if sweep:
+                        variants.remove(cfg)
+                        break
         del W64
         lins = [G.Linear("bf16", (out, inn), b) for b in copies(a, lin.nbytes)]
         for nb in rows:
@@ -164,8 +225,11 @@ def bench_bf16(rows, bw, xg: bool = False) -> int:
             best = min(variants, key=lambda c: rec[repr(c)])
             rec["best"], rec["best_cfg"] = rec[repr(best)], best
             table.append(rec)
+            rec["sweep"] = sorted((rec[repr(c)], _short_bf16(c)) for c in variants)
+            rec["rule_cfg"] = _short_bf16(G.bf16_tc_config(out, inn, nb))
             log(f"bf16 {rec['shape']:12s} rows {nb:2d}: cores {rec['cores']:8.2f}  gemm {rec.get('gemm', float('nan')):8.2f}  "
-                + "  ".join(f"{c.MT}/{c.W}/{c.ctas}{'x' if c.xs else ''} {rec[repr(c)]:7.2f}" for c in variants))
+                + "  ".join(f"{c} {t:7.2f}" for t, c in (rec["sweep"][:3] if sweep else
+                                                       [(rec[repr(c)], _short_bf16(c)) for c in variants])))
         del lins
         cp.get_default_memory_pool().free_all_blocks()
     log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; % copy counts the weight bytes once)")
@@ -176,6 +240,14 @@ def bench_bf16(rows, bw, xg: bool = False) -> int:
         log(f"| {r['shape']} | {r['rows']} | {r['cores']:.2f} | {r.get('gemm', float('nan')):.2f} | {r['rule']:.2f} | "
             f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}{'/xs' if c.xs else ''}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
             f"{r['cores'] / r['best']:.2f}x |")
+    if sweep:
+        log("\n## SWEEP, BF16: bf16_tc_config's shape against the fastest swept ones, us a launch (% copy)")
+        log("| out x in | rows | bf16_tc_config | fastest | 2nd | 3rd | speed |")
+        log("|---|---|---|---|---|---|---|")
+        for r in table:
+            sw = r["sweep"]
+            log(f"| {r['shape']} | {r['rows']} | {r['rule']:.2f} {r['rule_cfg']} ({100 * r['bytes'] / (r['rule'] * 1e-6) / bw:.1f}%) | "
+                + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['rule'] / sw[0][0]:.3f}x |")
     if xg:
         log("\n## BF16: x's parts made once (Bf16TcConfig.xs) on bf16_tc_config's shape: us a launch")
         log("| out x in | rows | bf16_tc_config | + xs | xs speed |")
@@ -199,7 +271,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     if args.groups or args.bf16:
-        failures = (bench_groups(args.rows, bw) if args.groups else 0) + (bench_bf16(args.rows, bw, args.xg) if args.bf16 else 0)
+        failures = (bench_groups(args.rows, bw, args.sweep) if args.groups else 0) + (bench_bf16(args.rows, bw, args.xg, args.sweep) if args.bf16 else 0)
         return 1 if failures else 0
     part = cp.zeros(64 << 20, cp.float32)
     sem = cp.zeros(1 << 16, cp.int32)
@@ -315,6 +387,11 @@ def _short(c) -> str:
     return f"{c.MT}/{c.W}/{c.ctas}/{c.NS}" + ("/xg" if c.xg else "")
 
 
+def _short_bf16(c) -> str:
+    """A Bf16TcConfig as MT/W/ctas[/xs]."""
+    return f"{c.MT}/{c.W}/{c.ctas}" + ("/xs" if c.xs else "")
+
+
 def _fits(out: int, inn: int, nb: int, cfg) -> bool:
     """Whether a launch of cfg at nb rows fits a CTA (tc_launch_shape accepts it)."""
     try:
@@ -324,10 +401,14 @@ def _fits(out: int, inn: int, nb: int, cfg) -> bool:
     return True
 
 
+def _swept_all() -> list:
+    """Every TcConfig of SWEEP."""
+    return [G.TcConfig(**dict(zip(SWEEP, v))) for v in itertools.product(*SWEEP.values())]
+
+
 def _swept(out: int, inn: int, nb: int) -> list:
     """SWEEP's TcConfigs that fit a CTA at nb rows."""
-    cfgs = (G.TcConfig(**dict(zip(SWEEP, v))) for v in itertools.product(*SWEEP.values()))
-    return [c for c in cfgs if _fits(out, inn, nb, c)]
+    return [c for c in _swept_all() if _fits(out, inn, nb, c)]
 
 
 def _staged(out: int, inn: int, nb: int, n: int):
