@@ -76,7 +76,7 @@ def to16(x, code):
 @pytest.mark.parametrize("H,KV,D", [(32, 8, 128), (9, 3, 64), (4, 4, 80), (16, 2, 128), (8, 1, 16)],
                          ids=["llama8b", "smollm2", "mha-d80", "g8", "d16"])
 @pytest.mark.parametrize("cache", [(1, 1), (2, 2), (1, 2)], ids=["bf16", "f16", "bf16-f16"])
-@pytest.mark.parametrize("sms", [132, 1], ids=["split", "one-split"])
+@pytest.mark.parametrize("sms", [1056, 132, 1], ids=["split", "rule", "one-split"])
 def test_attention_decode_tensor_cores_match_float64(H, KV, D, cache, sms):
     """The tensor-core form on 16-bit caches: float64 attention over the cache's exact values, within the
     FMA form's band; a query past f16's range and a tiny one (the f16 path's scaling); a split's last
@@ -111,6 +111,8 @@ def test_attention_decode_tensor_cores_match_float64(H, KV, D, cache, sms):
     step()
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
+    S = AD.splits(KV, rows, ctx, sms, tc=True)       # split: several; one-split: one; rule: <= one CTA a multiprocessor
+    assert S > 1 if sms == 1056 else S == 1 if sms == 1 else KV * rows * S <= max(sms, KV * rows)
 
 
 def test_attention_decode_tensor_core_refusals():
@@ -143,10 +145,10 @@ def test_attention_decode_many_splits(cache, tc):
 
     def take(key, shape, dtype=np.float32):
         return pool.setdefault((key, shape), cp.zeros(shape, dtype))
-    assert AD.splits(KV, 1, ctx) == 264
+    assert AD.splits(KV, 1, ctx, waves=2) == 264
     out = cp.full((1, H * D), cp.nan, cp.float32)
     step = AD.bind(cp.asarray(q), cp.asarray(kw), cp.asarray(vw), cp.asarray(pos), cp.asarray(slot), out, 1, H, KV, D,
-                   1 / np.sqrt(D), take, cache=cache, tc=tc)
+                   1 / np.sqrt(D), take, cache=cache, tc=tc, waves=2)
     step()
     got = cp.asnumpy(out)
     ref = reference(q.astype(np.float64), kx, vx, pos, slot, H, KV, D, 1 / np.sqrt(D))

@@ -54,9 +54,15 @@ def tc_smem_bytes(D: int, cache, stages: int = TC_STAGES) -> int:
 WAVES = 2        # CTAs a multiprocessor the splits aim at (tools/bench_attention.py --waves compares)
 
 
-def splits(KV: int, rows: int, ctx: int, sms: int = 132, waves: int | None = None) -> int:
-    """Context splits of a launch: enough CTAs for `waves` (default WAVES) CTAs on each of `sms`
-    multiprocessors, each split at least 64 keys of the longest context."""
+def splits(KV: int, rows: int, ctx: int, sms: int = 132, waves: int | None = None, tc: bool = False) -> int:
+    """Context splits of a launch, each at least 64 keys of the longest context: the FMA form (or any
+    given `waves`) enough CTAs for `waves` (default WAVES) CTAs on each of `sms` multiprocessors; the
+    tensor-core form at most one CTA a multiprocessor (no split once kv heads x rows fill them: its
+    merge costs more than the CTAs gain. tools/bench_attention.py --rows 1 2 4 8 16 --waves 1 2
+    --splits 1, H100, 2026-12-07: at 16 rows and 1,024 keys 29.9 us against 40.8 at WAVES, at 4,096
+    keys 97.9 against 114.2; at 1 row and 4,096 keys 21.4 against 26.9; never slower)."""
+    if tc and waves is None:
+        return int(max(1, min(sms // (KV * rows), -(-ctx // 64))))
     return int(max(1, min(-(-(waves or WAVES) * sms // (KV * rows)), -(-ctx // 64))))
 
 
@@ -93,7 +99,7 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
         raise ValueError(f"attention_decode (tensor cores): {tc_why}")
     use_tc = tc_why is None if tc is None else bool(tc)
     ctx = int(ck.shape[1])
-    G, S = H // KV, splits(KV, split_rows or rows, ctx, sms, waves)
+    G, S = H // KV, splits(KV, split_rows or rows, ctx, sms, waves, use_tc)
     if use_tc:
         kern = cu.kernel("attention_decode", f"attention_decode_tc<{D}, {stages}, {cache[0]}, {cache[1]}>")
         smem = tc_smem_bytes(D, cache, stages)
