@@ -1,11 +1,14 @@
-"""Decode attention alone on the GPU (runtime/cuda/attention_decode.cu): one row attending n cached
+"""Decode attention alone on the GPU (runtime/cuda/attention_decode.cu): one row (or --rows) attending n cached
 keys, timed over as many layers' caches as it takes to exceed the L2 (each launch reads keys and
 values from HBM, as a decode step's 32 layers do), against the device copy bandwidth measured in the
 same run. Compares the split counts (--waves: the CTAs a multiprocessor the splits aim at).
 
     python -m bloomery.tools.bench_attention [--shapes llama3-8b smollm2-135m] [--contexts 1024 8192 32768]
-        [--cache-types f32 f16] [--forms fma tc] [--waves 2 4 6 8] [--rounds 3]
+        [--cache-types f32 f16] [--forms fma tc] [--waves 2 4 6 8] [--rounds 3] [--rows 1 16]
 
+--rows: decode rows in one launch (slots, each attending its own n keys), as a step of several slots;
+--splits: also exactly these context splits (the waves column reads S<n>); --waves 0: the rule's splits
+(attention_decode.splits: the tensor-core form at most one CTA a multiprocessor).
 Per row: the splits and CTAs, us a launch (median), the bytes it must read (keys and values at the
 cache's type, the query; the output and partials are small), GB/s and % of the copy bandwidth.
 Rounds alternate the --waves settings. Prints a table last.
@@ -32,36 +35,39 @@ FORMS = {"fma": (False, 2), "tc": (True, 2), "tc3": (True, 3), "tc4": (True, 4)}
 
 
 def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: int = 1 << 29,
-          form: str = "fma") -> dict:
+          form: str = "fma", rows: int = 1, splits: int | None = None) -> dict:
     import cupy as cp
 
     from bloomery.runtime.cuda import attention_decode as AD
     from bloomery.runtime.cuda import ops as K
     H, KV, D = SHAPES[shape]
     code = K.CACHE_CODE[cache]
-    per = n * KV * D * (4 if code == 0 else 2)           # bytes of one layer's keys (values the same)
+    per = rows * n * KV * D * (4 if code == 0 else 2)    # bytes of one layer's keys, all rows (values the same)
     layers = max(2, -(-l2_bytes // (2 * per)))
     dt = cp.float32 if code == 0 else cp.uint16
     rng = cp.random.default_rng(n + KV)
     caches = []
     for _ in range(layers):
-        kv = rng.standard_normal((2, 1, n, KV, D), dtype=cp.float32)
+        kv = rng.standard_normal((2, rows, n, KV, D), dtype=cp.float32)
         if code == 1:
             kv = (kv.view(cp.uint32) >> 16).astype(cp.uint16)
         elif code == 2:
             kv = kv.astype(cp.float16).view(cp.uint16)
         caches.append(kv)
-    q = rng.standard_normal((1, H * D), dtype=cp.float32) * 0.3
-    pos, slot = cp.asarray([n - 1], cp.int32), cp.zeros(1, cp.int32)
-    out = cp.empty((1, H * D), cp.float32)
+    q = rng.standard_normal((rows, H * D), dtype=cp.float32) * 0.3
+    pos, slot = cp.full(rows, n - 1, cp.int32), cp.arange(rows, dtype=cp.int32)     # row r: slot r, n keys
+    out = cp.empty((rows, H * D), cp.float32)
     pool: dict = {}
 
     def take(key, shp, dtype=np.float32):
         return pool.setdefault((key, shp), cp.zeros(shp, dtype))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    S = AD.splits(KV, 1, n, sms, waves)
+    if splits:                                           # exactly this many splits (capped at one per 64 keys)
+        sms, waves = splits * KV * rows, 1
     tc, stages = FORMS[form]
-    steps = [AD.bind(q, c[0], c[1], pos, slot, out, 1, H, KV, D, 1 / np.sqrt(D), take, sms=sms, cache=(code, code),
+    waves = waves or None                                # 0: the rule's (runtime/cuda/attention_decode.splits)
+    S = AD.splits(KV, rows, n, sms, waves, tc)
+    steps = [AD.bind(q, c[0], c[1], pos, slot, out, rows, H, KV, D, 1 / np.sqrt(D), take, sms=sms, cache=(code, code),
                      waves=waves, tc=tc, stages=stages) for c in caches]
     s = cp.cuda.get_current_stream()
     for f in steps:
@@ -76,8 +82,9 @@ def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: 
         e1.synchronize()
         ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / len(steps))
     t = float(np.median(ts))
-    nbytes = 2 * per + H * D * 4
-    return {"shape": shape, "context": n, "cache": cache, "form": form, "waves": waves, "splits": S, "ctas": KV * S,
+    nbytes = 2 * per + rows * H * D * 4
+    return {"shape": shape, "rows": rows, "context": n, "cache": cache, "form": form, "waves": waves, "splits": S,
+            "ctas": KV * rows * S,
             "us": t * 1e6, "bytes": nbytes, "gb_s": nbytes / t / 1e9}
 
 
@@ -168,6 +175,8 @@ def main(argv=None) -> int:
                     help="fma: float32 FMAs (every cache type); tc, tc3, tc4: the tensor cores (16-bit caches), "
                          "2, 3 or 4 chunks in flight a warp")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1], help="decode rows (slots), each its own n keys")
+    ap.add_argument("--splits", nargs="*", type=int, default=[], help="also these split counts, whatever the waves")
     ap.add_argument("--chunk", action="store_true", help="time the prompt-chunk attention (--contexts: chunk rows)")
     ap.add_argument("--chunk-forms", nargs="+", default=list(CHUNK_FORMS), choices=list(CHUNK_FORMS))
     ap.add_argument("--out", help="write the rows as JSON here")
@@ -184,18 +193,20 @@ def main(argv=None) -> int:
                 for cache in a.cache_types:
                     forms = [f for f in a.forms if f == "fma" or cache != "f32"]
                     for form in (forms if rnd % 2 == 0 else forms[::-1]):
-                        for w in (a.waves if rnd % 2 == 0 else a.waves[::-1]):
-                            r = bench(shape, n, cache, w, form=form)
-                            rows.setdefault((shape, n, cache, form, w), []).append(r)
-                            print(json.dumps(r), flush=True)
-    print("\n| shape | keys | cache | form | waves | splits | CTAs | us a launch (median of rounds) | GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+                        for nr in a.rows:
+                            runs = [(w, None) for w in a.waves] + [(f"S{k}", k) for k in a.splits]
+                            for w, k in (runs if rnd % 2 == 0 else runs[::-1]):
+                                r = bench(shape, n, cache, 1 if k else w, form=form, rows=nr, splits=k)
+                                rows.setdefault((shape, nr, n, cache, form, w), []).append(r)
+                                print(json.dumps(r), flush=True)
+    print("\n| shape | rows | keys | cache | form | waves | splits | CTAs | us a launch (median of rounds) | GB/s | % copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     out = []
-    for (shape, n, cache, form, w), rs in rows.items():
+    for (shape, nr, n, cache, form, w), rs in rows.items():
         us = float(np.median([r["us"] for r in rs]))
         gb = rs[0]["bytes"] / us / 1e3
         out.append({**rs[0], "us": us, "gb_s": gb, "rounds": [r["us"] for r in rs]})
-        print(f"| {shape} | {n} | {cache} | {form} | {w} | {rs[0]['splits']} | {rs[0]['ctas']} | {us:.1f} | {gb:.0f} | "
+        print(f"| {shape} | {nr} | {n} | {cache} | {form} | {w} | {rs[0]['splits']} | {rs[0]['ctas']} | {us:.1f} | {gb:.0f} | "
               f"{100 * gb * 1e9 / bw:.1f} |")
     if a.out:
         with open(a.out, "w") as f:
