@@ -142,14 +142,8 @@ def bench_groups(rows, bw, sweep: bool = False) -> int:
         log(f"| {r['group']} | {r['rows']} | {r['alone0']:.2f} | {r['alone1']:.2f} | {r['group0']:.2f} | "
             f"{r['group1']:.2f} | {r['pct']:.1f} | {r['alone1'] / r['group1']:.2f}x |")
     if sweep:
-        log("\n## SWEEP of the groups: tc_config's shape against the fastest swept ones, one launch with PDL, us (% copy)")
-        log("| group | rows | tc_config | fastest | 2nd | 3rd | speed |")
-        log("|---|---|---|---|---|---|---|")
-        for r in table:
-            sw = r.get("sweep")
-            if sw:
-                log(f"| {r['group']} | {r['rows']} | {r['group1']:.2f} {r['rule_cfg']} ({r['pct']:.1f}%) | "
-                    + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['group1'] / sw[0][0]:.3f}x |")
+        _log_sweep("the groups: tc_config's shape against the fastest swept ones, one launch with PDL", "group", "tc_config",
+                   [(r["group"], r["rows"], r["group1"], r["rule_cfg"], r["pct"], r["sweep"]) for r in table if r.get("sweep")])
     return failures
 
 
@@ -241,13 +235,9 @@ def bench_bf16(rows, bw, xg: bool = False, sweep: bool = False) -> int:
             f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}{'/xs' if c.xs else ''}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
             f"{r['cores'] / r['best']:.2f}x |")
     if sweep:
-        log("\n## SWEEP, BF16: bf16_tc_config's shape against the fastest swept ones, us a launch (% copy)")
-        log("| out x in | rows | bf16_tc_config | fastest | 2nd | 3rd | speed |")
-        log("|---|---|---|---|---|---|---|")
-        for r in table:
-            sw = r["sweep"]
-            log(f"| {r['shape']} | {r['rows']} | {r['rule']:.2f} {r['rule_cfg']} ({100 * r['bytes'] / (r['rule'] * 1e-6) / bw:.1f}%) | "
-                + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['rule'] / sw[0][0]:.3f}x |")
+        _log_sweep("BF16: bf16_tc_config's shape against the fastest swept ones, us a launch", "out x in", "bf16_tc_config",
+                   [(r["shape"], r["rows"], r["rule"], r["rule_cfg"], 100 * r["bytes"] / (r["rule"] * 1e-6) / bw, r["sweep"])
+                    for r in table])
     if xg:
         log("\n## BF16: x's parts made once (Bf16TcConfig.xs) on bf16_tc_config's shape: us a launch")
         log("| out x in | rows | bf16_tc_config | + xs | xs speed |")
@@ -368,18 +358,25 @@ def main(argv=None) -> int:
             log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} | "
                 + " | ".join(f"{r[f'ns{n}']:.2f} ({r['tc_us'] / r[f'ns{n}']:.3f}x)" for n in args.stages) + " |")
     if args.sweep:
-        log("\n## SWEEP: tc_config's shape against the fastest swept ones, us a launch (% copy)")
-        log("| out x in | rows | tc_config | fastest | 2nd | 3rd | speed |")
-        log("|---|---|---|---|---|---|---|")
-        for r in res:
-            sw = r["sweep"]
-            log(f"| {r['out']}x{r['in']} | {r['rows']} | {r['tc_us']:.2f} ({100 * r['bytes'] / (r['tc_us'] * 1e-6) / bw:.1f}%) | "
-                + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {r['tc_us'] / sw[0][0]:.3f}x |")
+        _log_sweep("tc_config's shape against the fastest swept ones, us a launch", "out x in", "tc_config",
+                   [(f"{r['out']}x{r['in']}", r["rows"], r["tc_us"], "", 100 * r["bytes"] / (r["tc_us"] * 1e-6) / bw,
+                     r["sweep"]) for r in res])
         for nb in args.rows:
             t0 = sum(STACK[(r["out"], r["in"])] * r["tc_us"] for r in res if r["rows"] == nb) / 1e3
             t1 = sum(STACK[(r["out"], r["in"])] * min(r["tc_us"], r["sweep"][0][0]) for r in res if r["rows"] == nb) / 1e3
             log(f"Llama-3-8B linears a step at {nb} rows: tc_config {t0:.3f} ms, best swept per shape {t1:.3f} ms ({t0 / t1:.3f}x)")
     return 1 if failures else 0
+
+
+def _log_sweep(title: str, what: str, rule: str, items) -> None:
+    """A sweep's table: per (name, rows, rule us, rule's config, rule % copy, [(us, config) fastest first]),
+    the rule against the fastest three and the speed of the fastest over it."""
+    log(f"\n## SWEEP, {title} (% copy)")
+    log(f"| {what} | rows | {rule} | fastest | 2nd | 3rd | speed |")
+    log("|---|---|---|---|---|---|---|")
+    for name, nb, us, cfg, pct, sw in items:
+        log(f"| {name} | {nb} | {us:.2f}{' ' + cfg if cfg else ''} ({pct:.1f}%) | "
+            + " | ".join(f"{t:.2f} {c}" for t, c in sw[:3]) + f" | {us / sw[0][0]:.3f}x |")
 
 
 def _short(c) -> str:
