@@ -180,7 +180,7 @@ def bench_bf16(rows, bw, xg: bool = False, sweep: bool = False) -> int:
     BF16_SWEEP instead of the variants, and a table of the rule against the fastest few)."""
     variants = BF16_VARIANTS + ([dataclasses.replace(c, xs=True) for c in BF16_VARIANTS] if xg else [])
     if sweep:
-        variants = [G.Bf16TcConfig(**dict(zip(BF16_SWEEP, v))) for v in itertools.product(*BF16_SWEEP.values())]
+        variants = _grid(G.Bf16TcConfig, BF16_SWEEP)
     from bloomery.runtime.cuda import gemm as M
     failures, table = 0, []
     part = cp.zeros(1 << 24, cp.float32)
@@ -219,11 +219,10 @@ def bench_bf16(rows, bw, xg: bool = False, sweep: bool = False) -> int:
             best = min(variants, key=lambda c: rec[repr(c)])
             rec["best"], rec["best_cfg"] = rec[repr(best)], best
             table.append(rec)
-            rec["sweep"] = sorted((rec[repr(c)], _short_bf16(c)) for c in variants)
-            rec["rule_cfg"] = _short_bf16(G.bf16_tc_config(out, inn, nb))
+            timed = [(rec[repr(c)], _short_bf16(c)) for c in variants]
+            rec["sweep"], rec["rule_cfg"] = sorted(timed), _short_bf16(G.bf16_tc_config(out, inn, nb))
             log(f"bf16 {rec['shape']:12s} rows {nb:2d}: cores {rec['cores']:8.2f}  gemm {rec.get('gemm', float('nan')):8.2f}  "
-                + "  ".join(f"{c} {t:7.2f}" for t, c in (rec["sweep"][:3] if sweep else
-                                                       [(rec[repr(c)], _short_bf16(c)) for c in variants])))
+                + "  ".join(f"{c} {t:7.2f}" for t, c in (rec["sweep"][:3] if sweep else timed)))
         del lins
         cp.get_default_memory_pool().free_all_blocks()
     log(f"\n## BF16 weights, us a launch (copy {bw / 1e12:.2f} TB/s; % copy counts the weight bytes once)")
@@ -232,7 +231,7 @@ def bench_bf16(rows, bw, xg: bool = False, sweep: bool = False) -> int:
     for r in table:
         c = r["best_cfg"]
         log(f"| {r['shape']} | {r['rows']} | {r['cores']:.2f} | {r.get('gemm', float('nan')):.2f} | {r['rule']:.2f} | "
-            f"{r['best']:.2f} ({c.MT}/{c.W}/{c.ctas}{'/xs' if c.xs else ''}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
+            f"{r['best']:.2f} ({_short_bf16(c)}) | {100 * r['bytes'] / (r['best'] * 1e-6) / bw:.1f} | "
             f"{r['cores'] / r['best']:.2f}x |")
     if sweep:
         _log_sweep("BF16: bf16_tc_config's shape against the fastest swept ones, us a launch", "out x in", "bf16_tc_config",
@@ -398,9 +397,14 @@ def _fits(out: int, inn: int, nb: int, cfg) -> bool:
     return True
 
 
+def _grid(cls, grid: dict) -> list:
+    """Every config of cls over a grid {field: values}."""
+    return [cls(**dict(zip(grid, v))) for v in itertools.product(*grid.values())]
+
+
 def _swept_all() -> list:
     """Every TcConfig of SWEEP."""
-    return [G.TcConfig(**dict(zip(SWEEP, v))) for v in itertools.product(*SWEEP.values())]
+    return _grid(G.TcConfig, SWEEP)
 
 
 def _swept(out: int, inn: int, nb: int) -> list:
