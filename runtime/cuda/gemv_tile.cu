@@ -11,7 +11,7 @@
 // bytes of nibbles, one 16-byte word quad per lane of a warp, and 64 scale bytes:
 //   wt[((c * nks + s) * 32 + lane) * 4 + j]: lane (g = lane / 4, t = lane % 4), word j holds the mma B
 //     fragments of n-tiles 2j and 2j + 1 (8 outputs each, output 64 c + 8 nt + g) at k = 16 s + 2t, 2t+1,
-//     2t+8, 2t+9, as four f16x2 registers o0..o3 extracted by rotations and masks (tile_b below);
+//     2t+8, 2t+9, as four f16x2 registers o0..o3 extracted by rotations and masks (nvfp4_rot_h2, numerics.cuh);
 //   st[((c * nks + s) * 8 + g) * 8 + nt]: the E4M3 scale of output 64 c + 8 nt + g over k-step s.
 // A nibble s.e1e0m placed as f16 bits s at 15, e1e0m at 11..9 is e2m1 * 2^-14 exactly (f16's subnormals
 // line up with E2M1's), so o_k is two weights as f16x2 with 1 or 2 integer instructions a register; times
@@ -32,26 +32,9 @@
 
 #include "numerics.cuh"
 #include "pdl.cuh"
+#include "swiglu.cuh"
 
-// the swiglu op's arithmetic (runtime/cuda/ops_src.py SWIGLU)
-__device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(g / (1.0f + expf(-g)), u); }
-__device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
-  return swiglu1(fminf(g, L), fminf(fmaxf(u, -L), L));
-}
-
-__device__ __forceinline__ u32 rotr(u32 q, u32 r) { u32 d; asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(q), "r"(r)); return d; }
 __device__ __forceinline__ u32 prmt(u32 a, u32 sel) { u32 d; asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(a), "r"(sel)); return d; }
-
-// The four f16x2 registers of a layout word: o_k = (rotr(q, a_k) & signs) | (rotr(q, b_k) & magnitudes) with
-// (a, b) = (0, 0), (1, 3), (2, 12), (9, 9): the 32 bits of q are each used once (gemv_tile.py ROT).
-#define TILE_SIGN 0x80008000u
-#define TILE_MAG 0x0E000E00u
-__device__ __forceinline__ void tile_b(u32 q, u32 &o0, u32 &o1, u32 &o2, u32 &o3) {
-  o0 = q & (TILE_SIGN | TILE_MAG);
-  o1 = (rotr(q, 1) & TILE_SIGN) | (rotr(q, 3) & TILE_MAG);
-  o2 = (rotr(q, 2) & TILE_SIGN) | (rotr(q, 12) & TILE_MAG);
-  o3 = rotr(q, 9) & (TILE_SIGN | TILE_MAG);
-}
 
 // One k-step of a warp: its 8 n-tiles' B fragments from one word quad and 8 scale bytes, times the MT
 // m-tiles of x.
@@ -64,7 +47,7 @@ __device__ __forceinline__ void tile_step(float (&d)[8][MT][4], const uint4 &w, 
     const u32 s = e4m3x2_h2((j & 1) ? (sw >> 16) : (sw & 0xFFFFu));        // scales of n-tiles 2j, 2j + 1
     const u32 sa = prmt(s, 0x1010u), sb = prmt(s, 0x3232u);
     u32 o0, o1, o2, o3;
-    tile_b(q[j], o0, o1, o2, o3);
+    nvfp4_rot_h2(q[j], o0, o1, o2, o3);
     const u32 b00 = hmul2(o0, sa), b01 = hmul2(o1, sa), b10 = hmul2(o2, sb), b11 = hmul2(o3, sb);
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {

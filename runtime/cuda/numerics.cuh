@@ -49,6 +49,19 @@ __device__ __forceinline__ void nvfp4_word_h2(u32 w, u32 s2, u32 (&h)[4]) {
   h[0] = hmul2(e4m3x2_h2(lo & 0xFFFFu), s2); h[1] = hmul2(e4m3x2_h2(lo >> 16), s2);
   h[2] = hmul2(e4m3x2_h2(hi & 0xFFFFu), s2); h[3] = hmul2(e4m3x2_h2(hi >> 16), s2);
 }
+// E2M1 nibbles as f16 (the tensor-core NVFP4 layouts made at load: gemv_tile.cu, gemv_row.cu). A nibble s.e1e0m at f16
+// bits 15 and 11..9 is e2m1 * 2^-14 exactly (f16's subnormals line up with E2M1's). A layout word q holds eight such
+// fields, read as four f16x2 registers o_k = (rotr(q, a_k) & signs) | (rotr(q, b_k) & magnitudes) with (a, b) =
+// (0, 0), (1, 3), (2, 12), (9, 9) (gemv_tile.py ROT): each of q's 32 bits lands once.
+__device__ __forceinline__ u32 rotr(u32 q, u32 r) { u32 d; asm("shf.r.wrap.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(q), "r"(r)); return d; }
+#define NVFP4_ROT_SIGN 0x80008000u
+#define NVFP4_ROT_MAG 0x0E000E00u
+__device__ __forceinline__ void nvfp4_rot_h2(u32 q, u32 &o0, u32 &o1, u32 &o2, u32 &o3) {
+  o0 = q & (NVFP4_ROT_SIGN | NVFP4_ROT_MAG);
+  o1 = (rotr(q, 1) & NVFP4_ROT_SIGN) | (rotr(q, 3) & NVFP4_ROT_MAG);
+  o2 = (rotr(q, 2) & NVFP4_ROT_SIGN) | (rotr(q, 12) & NVFP4_ROT_MAG);
+  o3 = rotr(q, 9) & (NVFP4_ROT_SIGN | NVFP4_ROT_MAG);
+}
 // a pair of floats as f16x2: their high parts (part 0), or what the high parts leave (part 1): a = hi + lo to
 // ~22 bits where |a| is scaled into f16's range (the tensor-core GEMVs' x, gemv_tc.cu and gemv_tile.cu)
 __device__ __forceinline__ u32 f16_part2(float a, float b, int part) {

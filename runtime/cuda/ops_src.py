@@ -11,13 +11,7 @@ from .cu import header
 
 # SwiGLU's arithmetic, one owner: the swiglu op's kernels below and the gate / up pair GEMV kernels
 # of gemv_src.py (which fold the op into their launch) both call these, so their values agree bit for bit
-SWIGLU = r"""
-// silu(g) * u, silu(x) = x / (1 + exp(-x)); _limit: glm5_next's clamp, silu(min(g, L)) * clip(u, -L, L)
-__device__ __forceinline__ float swiglu1(float g, float u) { return __fmul_rn(g / (1.0f + expf(-g)), u); }
-__device__ __forceinline__ float swiglu1_limit(float g, float u, float L) {
-  return swiglu1(fminf(g, L), fminf(fmaxf(u, -L), L));
-}
-"""
+SWIGLU = header("swiglu")     # runtime/cuda/swiglu.cuh
 
 # Programmatic dependent launch (runtime/cuda/pdl.py), one owner: the kernels launched with it (the decode
 # GEMVs of gemv_src.py, rope_qk_kv_k below, attention_decode.cu's copy) let the next kernel be scheduled,
