@@ -32,7 +32,7 @@ def test_the_shared_conversions_have_one_owner():
     owned = re.findall(r"__device__ __forceinline__ \S+ (\w+)\(", cu.header("numerics"))
     assert {"e4m3x2_h2", "h2f2", "lo_nib_e4m3", "bf16x2_rn", "mma_bf16"} <= set(owned)
     users = {s: cu.source(s) for s in STEMS if "numerics.cuh" in (cu.HERE / f"{s}.cu").read_text()}
-    assert {"moe_gemm", "attention_chunk", "attention_decode", "gemv_tc", "gemv_tile"} <= set(users)
+    assert {"moe_gemm", "attention_chunk", "attention_decode", "gemv_tc", "gemv_tile", "gemv_row"} <= set(users)
     for name, src in [*users.items(), ("gemv_src.SOURCE", gemv_src.SOURCE)]:
         for fn in owned:
             n = len(re.findall(rf"__device__ __forceinline__ \S+ {fn}\(", src))

@@ -39,6 +39,8 @@ INSTANCES = {
                + [f"gemv_bf16_tc<{mt}, {w}, {nt}, 1>" for mt, w, nt in P((1, 2), (4, 8), (1, 2))] + ["gemv_bf16_xsplit"],
     "gemv_tile": ["tile_repack_w", "tile_repack_s"] + [f"gemv_tile<{w}, {m}, {p}, {n}, {pr}>" for w, m, p, n, pr in
                                                        P((4, 8), (1, 2), (0, 16), (0, 1), (0, 1))],
+    "gemv_row": ["row_repack_w", "row_repack_s"] + [f"gemv_row<{w}, {u}, {nb}, {n}, {pr}>" for w, u, nb, n, pr in
+                                                    P((4, 8), (4, 8), (1, 3), (0, 1), (0, 1))],
 }
 GEMV = "gemv_gemm"                    # gemv_src.SOURCE + gemm_src.SOURCE, one NVRTC module (runtime/cuda/gemm.py)
 

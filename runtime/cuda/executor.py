@@ -75,6 +75,7 @@ from . import attention_chunk as AC
 from . import attention_decode as AD
 from . import gemm as M
 from . import gemv as G
+from . import gemv_row as GR
 from . import pdl as PDL
 from . import mla_attention as MLA
 from . import moe_gemm as MG
@@ -399,6 +400,7 @@ class CudaExecutor:
         self.gemm_mode = levers.value("BLOOMERY_PREFILL_GEMM", os.environ)
         self.split_k = int(levers.value("BLOOMERY_PREFILL_SPLIT_K", os.environ))
         self.tc_mode = levers.value("BLOOMERY_DECODE_TC", os.environ)
+        self.row_mode = levers.value("BLOOMERY_GEMV_ROW", os.environ)
         self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
@@ -632,6 +634,10 @@ class CudaExecutor:
         limit = swiglu.get("limit") if swiglu is not None else None
         for g in range(0, rows, GEMV_ROWS):             # more than 8 rows: verify only (_cores_one_launch)
             nb = min(GEMV_ROWS, rows - g)
+            if self._row_rows(lins, prog, nb, pair=swiglu is not None):
+                steps.append(self._row_bind(lins, x[g:g + nb], [y[g:g + nb] for y in ys], nb, norm_weight=nw, eps=eps,
+                                            pair=swiglu is not None, limit=None if limit is None else float(limit)))
+                continue
             self._need.append((grp, nb, one))
             steps.append(grp.bind(x[g:g + nb], [y[g:g + nb] for y in ys], nb, one, norm_weight=nw, eps=eps,
                                   limit=None if limit is None else float(limit)))
@@ -707,14 +713,20 @@ class CudaExecutor:
                 else:
                     for h in range(0, nb, GEMV_ROWS):
                         n = min(GEMV_ROWS, nb - h)
+                        if self._row_rows([lin], prog, n):
+                            steps.append(self._row_bind([lin], xv[h:h + n], [yv[h:h + n]], n, accumulate=accumulate))
+                            continue
                         self._need.append((lin, n, False))
                         steps.append(lambda lin=lin, xv=xv[h:h + n], yv=yv[h:h + n], n=n: lin.launch(xv, yv, n, accumulate))
             return steps
         if prog == "verify":                            # each row as the 1-row decode step computes it
             for g in range(0, rows, GEMV_ROWS):
                 nb = min(GEMV_ROWS, rows - g)
-                self._need.append((lin, nb, True))
                 xv, yv = x[g:g + nb], y[g:g + nb]
+                if self._row_rows([lin], prog, nb):
+                    steps.append(self._row_bind([lin], xv, [yv], nb, accumulate=accumulate))
+                    continue
+                self._need.append((lin, nb, True))
                 steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb: lin.launch(xv, yv, nb, accumulate, one=True))
             return steps
         if rows > GEMV_ROWS and self.gemm_mode != "off" and M.Matmul.supports(lin):
@@ -723,10 +735,25 @@ class CudaExecutor:
             return [self.mm.bind(lin, x, y, rows, accumulate, exact=exact)]
         for g in range(0, rows, GEMV_ROWS):
             nb = min(GEMV_ROWS, rows - g)
-            self._need.append((lin, nb, False))
             xv, yv = x[g:g + nb], y[g:g + nb]
+            if self._row_rows([lin], prog, nb):
+                steps.append(self._row_bind([lin], xv, [yv], nb, accumulate=accumulate))
+                continue
+            self._need.append((lin, nb, False))
             steps.append(lambda lin=lin, xv=xv, yv=yv, nb=nb: lin.launch(xv, yv, nb, accumulate))
         return steps
+
+    def _row_rows(self, lins, prog: str, nb: int, pair: bool = False) -> bool:
+        """Whether a launch of nb rows of these GGML NVFP4 linears runs on the one-row tensor-core GEMV
+        (runtime/cuda/gemv_row.cu; lever BLOOMERY_GEMV_ROW): a 1-row launch of any program, and the verify
+        program's rows, each of which it computes exactly as its 1-row launch does."""
+        return self.row_mode == "on" and (nb == 1 or prog == "verify") and GR.supported(lins, pair) is None
+
+    def _row_bind(self, lins, x, ys, nb: int, accumulate: bool = False, **kw):
+        """gemv_row.bind with this executor's scratch (one array of each size: the launches run in order)."""
+        pf, si = GR.need([L.out for L in lins], lins[0].inn, nb, kw.get("pair", False))
+        part, sem = self._pool("gemv_row_part", (max(pf, 1),)), self._pool("gemv_row_sem", (si,), np.int32)
+        return GR.bind(lins, x, ys, nb, accumulate=accumulate, part=part, sem=sem, pdl=all(L.pdl for L in lins), **kw)
 
     def _op_embed(self, op, bufs, rows, prog):
         table, dt, vocab, n = self.w.dense(op["weight"])
