@@ -20,14 +20,23 @@ except Exception as e:                                   # pragma: no cover - de
 if not _n:
     pytest.skip(f"no CUDA GPU ({_why})", allow_module_level=True)
 
+from bloomery.core import formats                        # noqa: E402
+from bloomery.core.artifact import layout                 # noqa: E402
 from bloomery.runtime.cuda import gemv as G               # noqa: E402
 from bloomery.runtime.cuda import gemv_row as R           # noqa: E402
-from tests.test_cuda_kernels import artifact              # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 64), (7, 128), (130, 320), (576, 1536), (1536, 576), (257, 4096), (300, 14336)]
 CFGS = [R.RowConfig(), R.RowConfig(U=8), R.RowConfig(W=8, U=2), R.RowConfig(warps=132, W=2)]
+
+
+def artifact(fmt, shape, rng):
+    """Random weights of row scales 0.01..3 encoded by the format's encoder, as the artifact stores them (GGML
+    NVFP4 blocks), and their float64 decode (the device has no tests package to import helpers from)."""
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 3, (shape[0], 1)).astype(np.float32)
+    parts = formats.get(fmt).encode(x)
+    return formats.get(fmt).decode(parts).astype(np.float64), layout.to_gguf(fmt, parts)
 
 
 def linear(shape, seed):
