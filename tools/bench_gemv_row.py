@@ -30,7 +30,7 @@ from bloomery.runtime.cuda import gemv as G
 from bloomery.runtime.cuda import gemv_row as R
 from bloomery.runtime.cuda.bandwidth import copy_bandwidth
 from bloomery.tools.bench_gemv_tc import STACK
-from bloomery.tools.bench_gemv_tile import alternate, rel_err
+from bloomery.tools.bench_gemv_tile import alternate, check_groups, rel_err
 from bloomery.tools.bench_kernels import LLAMA, copies, log, make_arrays, ref_decode
 
 PROBE = ("BLOOMERY_PROBE_LOADS",)
@@ -96,42 +96,6 @@ def check(lin, W64, sc, cfg, failures, tol=2e-5, defines=()):
                 failures.append(f"{lin.out}x{lin.inn} {cfg}: row {b} of a {nb}-row launch differs from the row alone")
 
 
-def check_groups(failures, tol=2e-5):
-    """q/k/v with the norm folded in; gate/up with the norm and SwiGLU; 1 and 3 rows; float64 references."""
-    sc = Scratch()
-    inn, eps = 4096, 1e-5
-    nw = cp.random.uniform(0.5, 1.5, inn).astype(cp.float32)
-    for shapes, pair in (([4096, 1024, 1024], False), ([14336, 14336], True)):
-        arrs = [make_arrays("nvfp4", o, inn) for o in shapes]
-        lins = [G.Linear("nvfp4", (o, inn), a) for o, a in zip(shapes, arrs)]
-        W64 = [ref_decode("nvfp4", a, o, inn) for o, a in zip(shapes, arrs)]
-        for nb in (1, 3):
-            x = (3.0 * cp.random.standard_normal((nb, inn))).astype(cp.float32)
-            ys = [cp.full((nb, shapes[0]), cp.nan, cp.float32)] if pair else \
-                [cp.full((nb, o), cp.nan, cp.float32) for o in shapes]
-            sc.bind(lins, x, ys, nb, norm_weight=nw, eps=eps, pair=pair)()
-            cp.cuda.runtime.deviceSynchronize()
-            x64 = x.astype(cp.float64)
-            xn = x64 / cp.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps) * nw.astype(cp.float64)
-            outs = [xn @ W.T for W in W64]
-            bounds = [cp.abs(xn) @ cp.abs(W).T for W in W64]
-            if pair:
-                g, u = outs
-                ref = g / (1 + cp.exp(-g)) * u
-                bound = 1.1 * bounds[0] * cp.abs(u) + cp.abs(g / (1 + cp.exp(-g))) * bounds[1]
-                checks = [(ys[0], ref, bound)]
-            else:
-                checks = list(zip(ys, outs, bounds))
-            for m, (y, ref, bound) in enumerate(checks):
-                rel, worst, fin = rel_err(y, ref, bound)
-                if not (fin and rel <= tol and worst <= tol):
-                    failures.append(f"{'pair' if pair else 'qkv'} norm member {m} nb={nb}: rel {rel:.2e} "
-                                    f"worst {worst:.2e} finite {fin}")
-        log(f"groups {shapes} pair={pair}: checked ({len(failures)} failures so far)")
-        del W64
-        cp.get_default_memory_pool().free_all_blocks()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
@@ -144,7 +108,7 @@ def main(argv=None) -> int:
     log(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     failures: list = []
     check_repack(failures)
-    check_groups(failures)
+    check_groups(failures, sc=Scratch(), rows=(1, 3))
     sc = Scratch()
     cfgs = [R.RowConfig()] + (VARIANTS if args.variants else [])
     res = []

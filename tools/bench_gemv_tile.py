@@ -104,16 +104,17 @@ def check_single(lin, W64, sc, failures, tol=2e-5):
             failures.append(f"{lin.out}x{lin.inn}: row {b} of a 16-row launch differs from the row alone")
 
 
-def check_groups(failures, tol=2e-5):
-    """q/k/v with the norm; gate/up with the norm and SwiGLU; float64 references."""
-    sc = Scratch()
+def check_groups(failures, tol=2e-5, sc=None, rows=(16, 5, 1)):
+    """q/k/v with the norm; gate/up with the norm and SwiGLU; float64 references. sc: whose bind(lins, x, ys,
+    nb, **kw) launches them (this tool's Scratch by default; tools/bench_gemv_row.py passes its own)."""
+    sc = sc or Scratch()
     inn, eps = 4096, 1e-5
     nw = cp.random.uniform(0.5, 1.5, inn).astype(cp.float32)
     for shapes, pair in (([4096, 1024, 1024], False), ([14336, 14336], True)):
         arrs = [make_arrays("nvfp4", o, inn) for o in shapes]
         lins = [G.Linear("nvfp4", (o, inn), a) for o, a in zip(shapes, arrs)]
         W64 = [ref_decode("nvfp4", a, o, inn) for o, a in zip(shapes, arrs)]
-        for nb in (16, 5, 1):
+        for nb in rows:
             x = (3.0 * cp.random.standard_normal((nb, inn))).astype(cp.float32)
             ys = [cp.full((nb, shapes[0]), cp.nan, cp.float32)] if pair else \
                 [cp.full((nb, o), cp.nan, cp.float32) for o in shapes]
