@@ -173,3 +173,82 @@ def test_moe_gemm_refuses_what_it_does_not_decode():
     assert "mxfp8" in MG.supports(lin)
     with pytest.raises(ValueError, match="moe_gemm: mxfp8 experts"):
         MG.bind(lin, None, None, MG.Route(4, 2), 1)
+
+
+# -- a decode step's routed experts in two launches (gemv_nvfp4_ggml_pair_e, gemv_nvfp4_ggml_ec) ----------------
+
+def _decode_setup(rng, E=16, k=4, hidden=384, inter=512, rows=3):
+    Wg, ag = stacked(E, inter, hidden, rng)
+    Wu, au = stacked(E, inter, hidden, rng)
+    Wd, ad = stacked(E, hidden, inter, rng)
+    gate, up, down = (G.Linear("nvfp4", W.shape, a) for W, a in ((Wg, ag), (Wu, au), (Wd, ad)))
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(rows)]).astype(np.int32).reshape(-1)
+    w = np.abs(rng.standard_normal((rows, k))).astype(np.float32)
+    return (Wg, Wu, Wd), (gate, up, down), ids, w / w.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("R", [2, G.PAIR_E_R])
+def test_pair_experts_are_the_unfused_launches_bit_for_bit(limit, R):
+    """gate, up and the SwiGLU of every pair in one launch: the two expert GEMVs and the swiglu op's kernel,
+    bit for bit (each half is the expert GEMV's body at its thread count)."""
+    from bloomery.runtime.cuda import ops as K
+    rng = np.random.default_rng(21)
+    _, (gate, up, _), ids, _ = _decode_setup(rng)
+    k, rows = 4, ids.size // 4
+    x = cp.asarray(rng.standard_normal((rows, gate.inn)).astype(np.float32) * 2)
+    dids, pairs = cp.asarray(ids), ids.size
+    g, u = (cp.full((pairs, gate.out), cp.nan, cp.float32) for _ in range(2))
+    gate.launch_experts(x, g, dids, pairs, k)
+    up.launch_experts(x, u, dids, pairs, k)
+    kk = K.kernels()
+    if limit is None:
+        kk["swiglu_k"](K.grid1d(g.size), (256,), (g, u, g, np.int32(g.size)))
+    else:
+        assert float(cp.abs(g).max()) > limit, "the clamp must be exercised"
+        kk["swiglu_limit_k"](K.grid1d(g.size), (256,), (g, u, g, np.int32(g.size), np.float32(limit)))
+    o = cp.full((pairs, gate.out), cp.nan, cp.float32)
+    gate.bind_pair_experts(up, x, o, dids, pairs, k, limit, R=R)()
+    assert bool(cp.isfinite(o).all())
+    assert cp.array_equal(o, g)
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_combine_experts_against_float64(add):
+    """The down of a row's k choices, weighted and summed (and added) in one launch: against float64 from
+    core/formats' decoder, per element relative to the sum of |terms|; each row as that row launched alone."""
+    rng = np.random.default_rng(22)
+    (_, _, Wd), (_, _, down), ids, w = _decode_setup(rng)
+    k, rows, inter, hidden = 4, ids.size // 4, down.inn, down.out
+    d = rng.standard_normal((rows * k, inter)).astype(np.float32)
+    res = rng.standard_normal((rows, hidden)).astype(np.float32)
+    y = cp.asarray(res) if add else cp.full((rows, hidden), cp.nan, cp.float32)
+    down.bind_combine_experts(cp.asarray(d), cp.asarray(w), y, cp.asarray(ids), rows, k, add=add)()
+    got = cp.asnumpy(y).astype(np.float64)
+    ref = res.astype(np.float64) if add else np.zeros((rows, hidden))
+    bound = np.abs(ref).copy()
+    for p in range(rows * k):
+        r, j = divmod(p, k)
+        ref[r] += w[r, j] * (Wd[ids[p]] @ d[p].astype(np.float64))
+        bound[r] += w[r, j] * (np.abs(Wd[ids[p]]) @ np.abs(d[p].astype(np.float64)))
+    err = np.abs(got - ref)
+    assert np.isfinite(got).all()
+    assert (err <= 1e-5 * bound).all(), f"worst {np.max(err / bound):.2e}"
+    for r in range(rows):
+        one = cp.asarray(res[r:r + 1]) if add else cp.zeros((1, hidden), cp.float32)
+        down.bind_combine_experts(cp.asarray(d[r * k:(r + 1) * k]), cp.asarray(w[r:r + 1]), one,
+                                  cp.asarray(ids[r * k:(r + 1) * k]), 1, k, add=add)()
+        assert cp.array_equal(one[0], y[r]), f"row {r} differs from itself launched alone"
+
+
+def test_combine_experts_refuses_what_it_does_not_take():
+    rng = np.random.default_rng(23)
+    _, (gate, _, down), _, _ = _decode_setup(rng, E=4, rows=1)
+    with pytest.raises(ValueError, match="top_k 33"):
+        down.bind_combine_experts(None, None, None, None, 1, G.EC_KMAX + 1)
+    w = rng.standard_normal((2 * 64, 128)).astype(np.float32)
+    arrays = layout.to_gguf("mxfp8", formats.get("mxfp8").encode(w))
+    arrays = {kk: np.asarray(v).reshape(2, 64, -1) if np.asarray(v).ndim == 2 else v for kk, v in arrays.items()}
+    other = G.Linear("mxfp8", (2, 64, 128), arrays)
+    assert "GGML NVFP4" in G.combine_experts_supported(other, 4)
+    assert G.pair_experts_supported(gate, other) is not None

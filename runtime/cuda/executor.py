@@ -338,6 +338,7 @@ class CudaExecutor:
         self.decode_bytes = 0            # weight bytes one decode step reads (bench)
         self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in self.progs}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
+        self._need_names: list = []      # and GEMV kernels named as they are
         self._pooled: dict = {}          # scratch shared by ops (_pool)
         self.keeper = None               # the verify graphs' last launch (verify_keep.py)
         self.finputs: dict = {}          # per program: float32 input name -> (device, pinned memory, host view)
@@ -407,6 +408,7 @@ class CudaExecutor:
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
         self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
+        self.moe_decode = levers.value("BLOOMERY_MOE_DECODE", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -678,6 +680,7 @@ class CudaExecutor:
                 names[G.kernel_name(lin.kind, c.R, 1, c.U, c.WPC, experts=True)] = None
             else:
                 names[lin.kernel_name(nb, one)] = None
+        names.update(dict.fromkeys(self._need_names))
         if names:
             G.compile_kernels(list(names))
 
@@ -947,6 +950,15 @@ class CudaExecutor:
             steps += self._swiglu(g, u, g, op.get("limit"))
             xd, dd = scaled("down", g, inter, 1)
             steps.append(MG.bind(down, parted("down", xd), d, route, dd, parts))
+        elif self._moe_fused(op, (gate, up, down), k):
+            # two launches: gate, up and the SwiGLU of every pair; the down of a row's k choices, weighted,
+            # summed and added (the combine, the residual add when acc)
+            self._need_names += [gate.pair_experts_name(), down.combine_experts_name()]
+            steps.append(gate.bind_pair_experts(up, x, g, ids, pairs, k, op.get("limit")))
+            steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None))
+            if prog == "decode":
+                self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
+            return steps
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]
             xg, dg = scaled("gate", x, x.shape[-1], k)
@@ -963,6 +975,14 @@ class CudaExecutor:
         if prog == "decode":
             self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
         return steps
+
+    def _moe_fused(self, op, lins, k: int) -> bool:
+        """Whether a moe_experts op's expert GEMVs run as two launches (lever BLOOMERY_MOE_DECODE fused):
+        GGML NVFP4 gate, up and down with no pre_quant_scale."""
+        gate, up, down = lins
+        return (self.moe_decode == "fused" and G.pair_experts_supported(gate, up) is None
+                and G.combine_experts_supported(down, k) is None
+                and all(self.w.pre_quant(op[n]) is None for n in ("gate", "up", "down")))
 
     def _moe_grouped(self, prog: str, rows: int, lins) -> bool:
         """Whether a moe_experts op of this program runs as grouped GEMMs (moe_gemm.cu): prompt chunks of more

@@ -587,6 +587,60 @@ class Linear:
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
 
+    def pair_experts_name(self, R: int | None = None) -> str:
+        """The name of bind_pair_experts' kernel (GGML NVFP4): the experts config's U, R rows a CTA."""
+        c = self.config or default_config(self.kind, self.out, self.inn, 1)
+        return f"gemv_nvfp4_ggml_pair_e<{R or PAIR_E_R}, {c.U}>"
+
+    def bind_pair_experts(self, up: "Linear", x, O, eid, pairs: int, xdiv: int, limit=None, R: int | None = None):
+        """The MoE form's gate (this Linear) and up and the SwiGLU after them in one launch: for each pair
+        p < pairs, O[p] = silu(W_gate[eid[p]] x[p // xdiv]) * (W_up[eid[p]] x[p // xdiv]) (limit: the clamp of
+        the swiglu op). The thread count of launch_experts, so O is its two launches and the swiglu op's
+        values bit for bit. GGML NVFP4 experts of one shape only (pair_experts_supported). Returns the launch."""
+        why = pair_experts_supported(self, up)
+        if why:
+            raise ValueError(f"gemv.Linear.bind_pair_experts: {why}")
+        c = self.config or default_config(self.kind, self.out, self.inn, 1)
+        R = R or PAIR_E_R
+        name, i32 = self.pair_experts_name(R), cp.int32
+        grid = (math.ceil(self.out / R), int(pairs))
+        args = (self.w, up.w, self.sc, up.sc, O, i32(self.out), x, i32(self.inn), i32(xdiv), eid, i32(self.experts),
+                np.int64(self.wst), np.int64(self.scst), i32(limit is not None), np.float32(limit or 0.0))
+        kern = []
+
+        def run():
+            if not kern:
+                kern.append(compile_kernels([name], self.defines)[name])
+            kern[0](grid, (c.T,), args)
+        return run
+
+    def combine_experts_name(self, cfg: "Config | None" = None) -> str:
+        c = cfg or EC_CONFIG
+        return f"gemv_nvfp4_ggml_ec<{c.R}, {c.U}>"
+
+    def bind_combine_experts(self, d, wts, y, eid, rows: int, k: int, add: bool = False, cfg: "Config | None" = None):
+        """The MoE form's down (this Linear) and the weighted sum of each row's k choices in one launch:
+        y[r] (+)= sum_j wts[r, j] * (W[eid[r * k + j]] d[r * k + j]) for r < rows (moe_experts' combine; add:
+        the residual add after it). The k experts' rows are one K range the CTA's threads share
+        (gemv_nvfp4_ggml_ec); each block's sum is scaled by its expert's scale_2 and its weight before the
+        sum, so the values are the unfused launches' to float32 rounding, not bit for bit. GGML NVFP4 only.
+        Returns the launch."""
+        why = combine_experts_supported(self, k)
+        if why:
+            raise ValueError(f"gemv.Linear.bind_combine_experts: {why}")
+        c = cfg or EC_CONFIG
+        name, i32 = self.combine_experts_name(c), cp.int32
+        grid = (math.ceil(self.out / c.R), int(rows))
+        args = (self.w, self.sc, d, wts, y, i32(self.out), i32(self.inn), i32(int(add)), eid, i32(self.experts), i32(k),
+                np.int64(self.wst), np.int64(self.scst))
+        kern = []
+
+        def run():
+            if not kern:
+                kern.append(compile_kernels([name], self.defines)[name])
+            kern[0](grid, (c.T,), args)
+        return run
+
     def tc_need(self, nb: int, cfg=None) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
         if self.kind == "bf16":
@@ -679,6 +733,29 @@ class Linear:
 
 GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)
 GROUP_MAX = 3
+
+
+PAIR_E_R = 8                              # rows a CTA of gemv_nvfp4_ggml_pair_e (tools/bench_moe_gemm.py --decode)
+EC_CONFIG = Config(R=8, T=128, U=2, WPC=1)  # gemv_nvfp4_ggml_ec's launch shape (the same benchmark)
+EC_KMAX = 32                              # choices a row gemv_nvfp4_ggml_ec takes (gemv_src.py EC_KMAX)
+
+
+def pair_experts_supported(gate, up) -> str | None:
+    """None when gate and up run as one gemv_nvfp4_ggml_pair_e launch, else why not."""
+    if not (gate.kind == up.kind == "nvfp4_ggml" and gate.experts and gate.experts == up.experts
+            and (gate.out, gate.inn) == (up.out, up.inn) and gate.wst == up.wst and gate.scst == up.scst):
+        return (f"a gate and an up of stacked GGML NVFP4 experts of one shape, got {gate.kind} {gate.experts}x"
+                f"[{gate.out}, {gate.inn}] and {up.kind} {up.experts}x[{up.out}, {up.inn}]")
+    return None
+
+
+def combine_experts_supported(down, k: int) -> str | None:
+    """None when down and the combine of k choices run as one gemv_nvfp4_ggml_ec launch, else why not."""
+    if down.kind != "nvfp4_ggml" or not down.experts:
+        return f"stacked GGML NVFP4 experts, got {down.kind} ({down.experts} experts)"
+    if not 1 <= k <= EC_KMAX:
+        return f"top_k {k}: the kernel takes 1..{EC_KMAX} choices a row"
+    return None
 
 
 def group_name(kind: str, R: int, B: int, U: int, WPC: int = 4, norm: bool = False, pair: bool = False) -> str:

@@ -709,6 +709,99 @@ __global__ void gemv_q8_0_pair(const u8 *__restrict__ W0, const u8 *__restrict__
   gemv_q8_0_body<R, BMAX, U, NORM>(W1, x, O, out, in, nb, 0, blockIdx.x, nw, eps, gu[1]);
   pair_store<R, BMAX>(gu, O, out, nb, lim, L);
 }
+// ---- the MoE form's gate and up and the SwiGLU after them in one launch (a decode step's routed experts):
+// blockIdx.y is the pair p (expert e = eid[p], input row x[p / xdiv]); CTA i computes row block i of
+// the gate and of the up of expert e and writes silu(gate) * up to O[p]. Each half is gemv_nvfp4_ggml_e's
+// body (a row's sum does not depend on R), so O is what the unfused launches and the swiglu op write,
+// bit for bit, at the same thread count. Launched without PDL (as the other expert forms): with it the
+// decode step was slower (docs/kernels.md), and the expert ids it reads first are the kernel before's. ----
+template <int R, int U>
+__global__ void gemv_nvfp4_ggml_pair_e(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const float *__restrict__ sc0,
+                                       const float *__restrict__ sc1, float *__restrict__ O, int out,
+                                       const float *__restrict__ x, int in, int xdiv, const int *__restrict__ eid, int ne,
+                                       long long wst, long long scst, int lim, float L) {
+  __shared__ float gu[2][R];
+  const int e = expert_of(eid, ne), p = blockIdx.y;
+  const float *xp = x + (size_t)(p / xdiv) * in;
+  float *Op = O + (size_t)p * out;
+  gemv_nvfp4_ggml_body<R, 1, U>(W0 + e * wst, sc0 + e * scst, xp, Op, out, in, 1, 0, blockIdx.x, nullptr, 0.f, gu[0]);
+  __syncthreads();
+  gemv_nvfp4_ggml_body<R, 1, U>(W1 + e * wst, sc1 + e * scst, xp, Op, out, in, 1, 0, blockIdx.x, nullptr, 0.f, gu[1]);
+  pair_store<R, 1>(gu, Op, out, 1, lim, L);
+}
+
+// ---- the MoE form's down and the weighted sum over a row's choices in one launch (moe_experts' combine,
+// the residual add folded when add): blockIdx.y is the token row r; its k pairs p = r * k + j (expert
+// eid[p], weight wts[p], input row d[p]) make one K range of k * in / 64 GGML blocks that the CTA's
+// 8-thread groups share (a group's block v: pair v / (in / 64)), so the k experts' rows stream at once
+// instead of one short row each. y[r] (+)= sum_j wts[p] * (W[e_p] d[p]): each block's sum times its scale
+// byte, its expert's scale_2 and its weight (one float a pair), summed in a fixed order (deterministic;
+// a row's value does not depend on the other rows). ----
+#define EC_KMAX 32
+template <int R, int U>
+__global__ void gemv_nvfp4_ggml_ec(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ d,
+                                   const float *__restrict__ wts, float *__restrict__ y, int out, int in, int add,
+                                   const int *__restrict__ eid, int ne, int k, long long wst, long long scst) {
+  __shared__ long long sw[EC_KMAX];
+  __shared__ float sf[EC_KMAX];
+  const int r0 = blockIdx.y;
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    int e = eid[r0 * k + j];
+    e = e < 0 ? 0 : (e >= ne ? ne - 1 : e);
+    sw[j] = (long long)e * wst;
+    sf[j] = wts[r0 * k + j] * (__ldg(sc + (size_t)e * scst) * 64.0f);
+  }
+  __syncthreads();
+  const int nblk = in / 64, rowbytes = nblk * 36, nv = k * nblk;
+  const int g = threadIdx.x >> 3, t = threadIdx.x & 7, ng = blockDim.x >> 3;
+  const int row0 = blockIdx.x * R;
+  float acc[R][1];
+  int rowc[R];
+  start_rows<R, 1>(acc, rowc, row0, out);
+  const int koff = 16 * (t >> 1) + 4 * (t & 1);
+  const float *dr = d + (size_t)r0 * k * in;
+  for (int v0 = g; v0 < nv; v0 += U * ng) {
+    u32 wv[U][R];
+    u32 sv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int v = v0 + u * ng;
+      const int j = v / nblk, blk = v - j * nblk;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        if (v < nv) {
+          const u8 *p = W + sw[j] + (size_t)rowc[r] * rowbytes + (size_t)blk * 36;
+          wv[u][r] = __ldg(reinterpret_cast<const u32 *>(p + 4 + 4 * t));
+          sv[u][r] = __ldg(p + (t >> 1));
+        } else { wv[u][r] = 0u; sv[u][r] = 0u; }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int v = v0 + u * ng;
+      if (v >= nv) break;
+      const int j = v / nblk, blk = v - j * nblk;
+      const float *xp = dr + (size_t)j * in + blk * 64 + koff;
+      const float4 xl = ldx4(xp), xh = ldx4(xp + 8);
+      const float f = sf[j];
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        float lo[4], hi[4];
+        const u32 w = wv[u][r];
+        e4m3x4(lo_nib_e4m3(w), lo);
+        e4m3x4(hi_nib_e4m3(w), hi);
+        float q = lo[0] * xl.x;
+        q = fmaf(lo[1], xl.y, q); q = fmaf(lo[2], xl.z, q); q = fmaf(lo[3], xl.w, q);
+        q = fmaf(hi[0], xh.x, q); q = fmaf(hi[1], xh.y, q); q = fmaf(hi[2], xh.z, q); q = fmaf(hi[3], xh.w, q);
+        acc[r][0] = fmaf(q, e4m3_1(sv[u][r]) * f, acc[r][0]);
+      }
+    }
+  }
+  float rs[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) rs[r] = 1.0f;
+  reduce_store<R, 1>(acc, y + (size_t)r0 * out, rs, row0, out, 1, add);
+}
 template <int BMAX>
 __global__ void gemv_mxfp4_ggml(const u8 *__restrict__ W, const float *__restrict__ x, float *__restrict__ y,
                                 int out, int in, int nb, int add) {
