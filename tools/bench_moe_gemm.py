@@ -201,6 +201,18 @@ def bench_decode(shape: str, tokens: int, rounds: int, sweep: bool = False) -> l
     return rows
 
 
+def collect(a, fn, tokens) -> list:
+    """fn(shape, rows) over --shapes and --tokens (default `tokens`), each row printed as JSON as it comes."""
+    out = []
+    for shape in a.shapes:
+        for n in a.tokens or tokens:
+            rs = fn(shape, n)
+            for r in rs:
+                print(json.dumps(r), flush=True)
+            out += rs
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=sorted(SHAPES))
@@ -217,13 +229,7 @@ def main(argv=None) -> int:
         from bloomery.runtime.cuda.bandwidth import copy_bandwidth
         bw = copy_bandwidth()
         print(f"copy bandwidth (D2D): {bw / 1e12:.3f} TB/s", flush=True)
-        out = []
-        for shape in a.shapes:
-            for n in a.tokens or [1, 4]:
-                rs = bench_decode(shape, n, a.rounds, a.sweep)
-                for r in rs:
-                    print(json.dumps(r), flush=True)
-                out += rs
+        out = collect(a, lambda shape, n: bench_decode(shape, n, a.rounds, a.sweep), [1, 4])
         print("\n| shape | rows | form | us | GB/s | % copy | x unfused | rel L2 vs float64 |")
         print("|---|---|---|---|---|---|---|---|")
         for r in out:
@@ -238,13 +244,7 @@ def main(argv=None) -> int:
     from bloomery.runtime.cuda.bandwidth import bf16_gemm_rate
     tc = bf16_gemm_rate()
     print(f"bf16 tensor-core rate (cuBLAS 8192^3, median of 10): {tc / 1e12:.1f} TFLOP/s", flush=True)
-    out = []
-    for shape in a.shapes:
-        for n in a.tokens or [512, 4096]:
-            rs = bench(shape, n, a.parts, a.bms, a.rounds)
-            for r in rs:
-                print(json.dumps(r), flush=True)
-            out += rs
+    out = collect(a, lambda shape, n: bench(shape, n, a.parts, a.bms, a.rounds), [512, 4096])
     print("\n| shape | matrix (experts x out x in) | tokens | form | ms | TFLOP/s | % bf16 | x gemv | rel L2 vs gemv |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in out:

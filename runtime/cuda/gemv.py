@@ -102,6 +102,21 @@ def compile_kernels(names, defines=()):
     return {n: _FUNCS[(n, key_opts)] for n in names}
 
 
+def lazy_launch(name: str, defines, grid, block, args, go=None):
+    """A launch of kernel `name` with its arguments fixed, compiled at its first run (the executor precompiles
+    its names first); go: the launcher (pdl.launcher's; default a plain launch)."""
+    kern = []
+
+    def run():
+        if not kern:
+            kern.append(compile_kernels([name], defines)[name])
+        if go is None:
+            kern[0](grid, block, args)
+        else:
+            go(kern[0], grid, block, args)
+    return run
+
+
 def batch_bucket(nb: int) -> int:
     if not 1 <= nb <= MAX_BATCH:
         raise ValueError(f"gemv: {nb} activation rows; this kernel takes 1..{MAX_BATCH}")
@@ -606,13 +621,7 @@ class Linear:
         grid = (math.ceil(self.out / R), int(pairs))
         args = (self.w, up.w, self.sc, up.sc, O, i32(self.out), x, i32(self.inn), i32(xdiv), eid, i32(self.experts),
                 np.int64(self.wst), np.int64(self.scst), i32(limit is not None), np.float32(limit or 0.0))
-        kern = []
-
-        def run():
-            if not kern:
-                kern.append(compile_kernels([name], self.defines)[name])
-            kern[0](grid, (c.T,), args)
-        return run
+        return lazy_launch(name, self.defines, grid, (c.T,), args)
 
     def combine_experts_name(self, cfg: "Config | None" = None) -> str:
         c = cfg or EC_CONFIG
@@ -633,13 +642,7 @@ class Linear:
         grid = (math.ceil(self.out / c.R), int(rows))
         args = (self.w, self.sc, d, wts, y, i32(self.out), i32(self.inn), i32(int(add)), eid, i32(self.experts), i32(k),
                 np.int64(self.wst), np.int64(self.scst))
-        kern = []
-
-        def run():
-            if not kern:
-                kern.append(compile_kernels([name], self.defines)[name])
-            kern[0](grid, (c.T,), args)
-        return run
+        return lazy_launch(name, self.defines, grid, (c.T,), args)
 
     def tc_need(self, nb: int, cfg=None) -> tuple[int, int]:
         """(float32 partial sums, int32 tile counters) a tensor-core launch of nb rows needs."""
@@ -824,14 +827,7 @@ class Group:
             args = (*pad([L.w for L in self.lins], self.lins[0].w), *pad(scales, self.lins[0].w), *pad(factors, x),
                     *pad(ys, ys[0]), *pad([i32(L.out) for L in self.lins], i32(0)),
                     i32(cuts[0]), i32(cuts[1]), x, i32(self.inn), i32(nb), i32(0), nw, np.float32(eps))
-        block, defines, kern = (c.T,), self.lins[0].defines, []
-        go = PDL.launcher(self.pdl)
-
-        def run():                       # compiled at the first run (the executor precompiles its names first)
-            if not kern:
-                kern.append(compile_kernels([name], defines)[name])
-            go(kern[0], grid, block, args)
-        return run
+        return lazy_launch(name, self.lins[0].defines, grid, (c.T,), args, PDL.launcher(self.pdl))
 
 
 def gemv(fmt: str, shape, arrays: Mapping, x, y=None, accumulate: bool = False, config: Config | None = None):
