@@ -202,3 +202,33 @@ def test_cuda_decode_slots_tensor_cores(name, xg, monkeypatch):
                 assert rel(la[s], lb[s]) <= 1e-3, (step, s)
                 assert int(na[s]) == int(nb[s])
         toks = [int(nb[s]) if act[s] else toks[s] for s in range(5)]
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
+@pytest.mark.parametrize("name", ["tiny-qwen3/nvfp4", "tiny-qwen3_moe/fp8", "tiny-qwen3_next/nvfp4"])
+def test_qk_norm_fold_is_the_unfused_launches_bit_for_bit(name, monkeypatch):
+    """BLOOMERY_FOLD_QK_NORM: the q / k norms inside the rope's launch give the unfused launches' logits and
+    KV cache bit for bit, through a prompt chunk and decode steps; the fold is taken where the plan has it."""
+    import numpy as np
+    art = artifact(name)
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 200, 24)]
+    runs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("BLOOMERY_FOLD_QK_NORM", mode)
+        e = runtime.Engine(art, device="cuda", ctx=64, ubatch=16)
+        tags = {t for prog in ("decode", "prefill") for t in e.exec.tags.get(prog, [])}
+        assert ("rmsnorm+rmsnorm+rope+rope+attention" in tags) == (mode == "on"), (mode, sorted(tags))
+        logits = [np.asarray(e.prefill(ids))]
+        tok = int(np.argmax(logits[0][-1]))
+        for _ in range(6):
+            lg, nt = e.decode([tok])
+            logits.append(np.asarray(lg))
+            tok = int(nt[0])
+        runs[mode] = (logits, {n: e.exec.state[n].get() for n in e.exec.cache_code})
+    for a, b in zip(runs["on"][0], runs["off"][0]):
+        assert np.array_equal(a, b)
+    assert runs["on"][1].keys() == runs["off"][1].keys() and runs["on"][1]
+    for n in runs["on"][1]:
+        assert np.array_equal(runs["on"][1][n], runs["off"][1][n]), n

@@ -52,6 +52,7 @@ def executor(name, **modes):
     ex.w = Weights(art)
     ex.tc_mode, ex.group_mode, ex.fold_norm = modes.get("tc", "auto"), modes.get("group", "on"), modes.get("fold", "on")
     ex.fold_swiglu = modes.get("swiglu", "on")
+    ex.fold_qk_norm = modes.get("qk_norm", "on")      # the decision as the lever on makes it
     return ex, read_plans(art)[0]
 
 
@@ -197,3 +198,25 @@ def test_llama_tensor_core_groups_are_qkv_and_gate_up():
     for prog, rows, modes in (("decode", 16, {"tc": "on", "group": "off"}), ("decode", 16, {"tc": "off"}),
                               ("decode", 1, {"tc": "auto"}), ("verify", 5, {"tc": "on"}), ("decode", 17, {"tc": "on"})):
         assert not tc_groups(executor("tiny-llama/nvfp4", **modes)[0], plan, prog, rows)[1], (prog, rows, modes)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_qk_norms_fold_into_the_rope_launch(name):
+    """Qwen3's per-head q and k norms join the rope + cache-write launch exactly where the plan has norm q, norm
+    k (in place over one head), rope q, rope k, attention; every such site of qwen3 and qwen3_moe is taken (one
+    a layer); none with the lever off or in a family without the norms."""
+    ex, plan = executor(name)
+    off, _ = executor(name, qk_norm="off")
+    for prog in ("decode", "prefill"):
+        ops = plan["programs"][prog]["ops"]
+        got = [i for i, o in enumerate(ops) if o["op"] == "rmsnorm" and ex._fusable_qk_norm(ops, i)]
+        assert not any(off._fusable_qk_norm(ops, i) for i in range(len(ops)))
+        for i in got:
+            a, b, rq, rk, at = ops[i:i + 5]
+            assert [o["op"] for o in ops[i:i + 5]] == ["rmsnorm", "rmsnorm", "rope", "rope", "attention"]
+            assert a["out"] == at["q"] and b["out"] == at["k"] and int(a["group"]) == int(at["head_dim"])
+        layers = sum(1 for o in ops if o["op"] == "attention")
+        if name.startswith(("tiny-qwen3/", "tiny-qwen3_moe/")):
+            assert len(got) == layers > 0, (name, prog, got)
+        if name.startswith("tiny-llama/"):
+            assert got == []

@@ -89,6 +89,12 @@ DENSE_DT = {"f32": 0, "bf16": 1, "f16": 2}
 GEMV_ROWS = 8                            # rows per GEMV launch (gemv.MAX_BATCH)
 
 
+def _norm_threads(g: int) -> int:
+    """The threads of an rmsnorm_k CTA over a group of g values (and of norm_rope_qk_kv_k, whose norm must sum
+    as rmsnorm_k does)."""
+    return 512 if g >= 2048 else 256 if g >= 256 else max(32, -(-g // 32) * 32)
+
+
 def _rotary_dim(op) -> int:
     """A rope op's rotated width: its rotary_dim, or the whole head."""
     return int(op.get("rotary_dim") or op["head_dim"])
@@ -405,6 +411,7 @@ class CudaExecutor:
         self.group_mode = levers.value("BLOOMERY_GROUP_LINEARS", os.environ)
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
+        self.fold_qk_norm = levers.value("BLOOMERY_FOLD_QK_NORM", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
         self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
@@ -434,6 +441,10 @@ class CudaExecutor:
             if self._into_residual(ops, i):
                 new = fn(op, bufs, rows, prog, acc=nxt["out"])
                 tag, i = op["op"] + "+add", i + 2
+            elif op["op"] == "rmsnorm" and self._fusable_qk_norm(ops, i):
+                new = self._rope_qk_kv(ops[i + 2], ops[i + 3], ops[i + 4], bufs, rows, norms=(op, nxt)) + \
+                    self._op_attention(ops[i + 4], bufs, rows, prog, write=False)
+                tag, i = "rmsnorm+rmsnorm+rope+rope+attention", i + 5
             elif op["op"] == "rmsnorm" and (n := self._norm_fold(ops, i, bufs, rows, prog)):
                 sw = self._swiglu_after(ops, i + 1, n)
                 new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog, swiglu=sw)
@@ -657,17 +668,37 @@ class CudaExecutor:
                 and a["heads"] == at["heads"] and b["heads"] == at["kv_heads"] and at["head_dim"] % 2 == 0
                 and _rotary_dim(a) == _rotary_dim(b) and _rotary_dim(a) % 2 == 0 and _rotary_dim(a) <= a["head_dim"])
 
-    def _rope_qk_kv(self, rq, rk, at, bufs, rows) -> list:
+    def _fusable_qk_norm(self, ops, i) -> bool:
+        """Whether ops[i:i + 5] are Qwen3's q and k norms (each in place over one head, a [head_dim] weight)
+        and then a fusable rope q, rope k and attention: one launch (norm_rope_qk_kv_k; lever
+        BLOOMERY_FOLD_QK_NORM on)."""
+        if self.fold_qk_norm == "off" or i + 4 >= len(ops) or not self._fusable_rope(ops, i + 2):
+            return False
+        a, b, rq, rk = ops[i:i + 4]
+        D = int(rq["head_dim"])
+        return (b["op"] == "rmsnorm" and a["x"] == a["out"] == rq["x"] and b["x"] == b["out"] == rk["x"]
+                and int(a["group"]) == int(b["group"]) == D and D <= 512
+                and all(self.w.vector(n["weight"], float(n.get("offset") or 0.0)).size == D for n in (a, b)))
+
+    def _rope_qk_kv(self, rq, rk, at, bufs, rows, norms=None) -> list:
+        """rope q, rope k and attention's cache write as one launch; norms: the q and k rmsnorm ops before
+        them, folded in too (_fusable_qk_norm)."""
         D, Hq, Hk = int(at["head_dim"]), int(at["heads"]), int(at["kv_heads"])
         RD = _rotary_dim(rq)                  # partial rotary: the other D - RD values pass through to the cache
         invf = cp.asarray(inv_freq(float(rq["theta"]), RD, rq.get("scaling")))     # core/rope.py, as NumPy's
         ck = bufs[at["cache_k"]]
-        kern = K.cache_kernel("rope_qk_kv_k", (), self._codes(at))
         args = (bufs[rq["x"]], bufs[rk["x"]], bufs[at["v"]], bufs[at["pos"]], bufs[at["slot"]], invf, ck,
                 bufs[at["cache_v"]], np.int32(rows), np.int32(Hq), np.int32(Hk), np.int32(D), np.int32(RD),
                 np.int32(ck.shape[1]))
-        grid = K.grid1d(rows * (Hq + Hk) * (D // 2))
         go = PDL.launcher(self.pdl_all)
+        if norms is not None:                 # a CTA a (row, head) of rmsnorm_k's threads for a group of D
+            wq, wk = (self.w.vector(n["weight"], float(n.get("offset") or 0.0)) for n in norms)
+            kern = K.cache_kernel("norm_rope_qk_kv_k", (), self._codes(at))
+            args += (wq, wk, np.float32(norms[0]["eps"]), np.float32(norms[1]["eps"]))
+            grid, block = (rows * (Hq + Hk),), (_norm_threads(D),)
+            return [lambda: go(kern, grid, block, args)]
+        kern = K.cache_kernel("rope_qk_kv_k", (), self._codes(at))
+        grid = K.grid1d(rows * (Hq + Hk) * (D // 2))
         return [lambda: go(kern, grid, (256,), args)]
 
     def _precompile(self) -> None:
@@ -775,7 +806,7 @@ class CudaExecutor:
         if x.shape[-1] % g or w.size not in (g, x.shape[-1]):               # [group] or as wide as the row
             raise PlanMismatch(f"rmsnorm {op['weight']}: weight of {w.size} values, group {g}, row {x.shape[-1]}")
         groups = x.size // g
-        T = 512 if g >= 2048 else 256 if g >= 256 else max(32, -(-g // 32) * 32)
+        T = _norm_threads(g)
         kern = self.k["rmsnorm_k"]
         args = (x, out, w, np.int32(g), np.float32(op["eps"]), np.int32(w.size // g))
         return [lambda: kern((groups,), (T,), args)]

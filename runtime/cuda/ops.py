@@ -9,7 +9,8 @@ except Exception:                        # pragma: no cover - depends on the mac
 
 from .ops_src import SOURCE
 
-NAMES = ("embed_k<0>", "embed_k<1>", "embed_k<2>", "rmsnorm_k", "rope_k", "rope_qk_kv_k<0, 0>", "kv_write_k<0, 0>",
+NAMES = ("embed_k<0>", "embed_k<1>", "embed_k<2>", "rmsnorm_k", "rope_k", "rope_qk_kv_k<0, 0>", "norm_rope_qk_kv_k<0, 0>",
+         "kv_write_k<0, 0>",
          *(f"attention_k<{d}, 0, 0>" for d in (1, 2, 4, 8)),
          *(f"attn_chunk_k<{d}, {q}, 0, 0>" for d in (1, 2, 4, 8) for q in (1, 2)), "swiglu_k", "swiglu_limit_k", "add_k",
          "scale_cols_k", "scale_cols_e_k", "moe_topk_k", "moe_combine_k", "argmax_k", "advance_k")

@@ -172,6 +172,52 @@ __global__ void rope_qk_kv_k(float *q, float *k, const float *v, const int *pos,
   }
 }
 
+// Qwen3's per-head q and k RMSNorms, then rope_qk_kv_k's rope and cache write: five launches in one (the
+// executor fuses rmsnorm q, rmsnorm k, rope q, rope k and attention's cache write when the plan has them in
+// a row, each norm in place over one head, a [D] weight). A CTA per (row, head), q heads first, of the
+// threads rmsnorm_k takes for a group of D: the head's norm is rmsnorm_k's arithmetic (the same sums, the
+// same order), kept in shared memory; then each thread writes element d of the head as rope_qk_kv_k does
+// (the pair d or d - RD/2 rotated, d >= RD passed through), so q, k and the cache hold the unfused
+// launches' values bit for bit. D <= 512.
+template <int CK, int CV>
+__global__ void norm_rope_qk_kv_k(float *q, float *k, const float *v, const int *pos, const int *slot,
+                                  const float *__restrict__ invf, void *ck, void *cv, int rows, int Hq, int Hk, int D,
+                                  int RD, int ctx, const float *__restrict__ wq, const float *__restrict__ wk,
+                                  float eps_q, float eps_k) {
+  __shared__ float sh[32];
+  __shared__ float xs[512];
+  grid_dep_launch();                                   // PDL: nothing read before the kernel before is done
+  grid_dep_wait();
+  const int nq = rows * Hq, rh = blockIdx.x;
+  const bool isq = rh < nq;
+  const int j = isq ? rh : rh - nq, H = isq ? Hq : Hk, r = j / H, h = j % H;
+  float *px = (isq ? q : k) + (size_t)j * D;
+  const float *w = isq ? wq : wk;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) { const float t = px[i]; ss = fmaf(t, t, ss); }
+  ss = block_sum(ss, sh);
+  const float var = ss / (float)D;
+  const float inv = 1.0f / sqrtf(var + (isq ? eps_q : eps_k));
+  for (int i = threadIdx.x; i < D; i += blockDim.x) xs[i] = __fmul_rn(__fmul_rn(px[i], inv), w[i]);
+  __syncthreads();
+  const int rh2 = RD / 2, pr = pos[r];
+  const bool wr = !isq && pr >= 0 && pr < ctx;
+  const size_t cb = wr ? ((size_t)slot[r] * ctx + pr) * ((size_t)Hk * D) + (size_t)h * D : 0;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float y = xs[d];
+    if (d < RD) {
+      const int i = d < rh2 ? d : d - rh2;
+      const float a = __fmul_rn((float)max(pr, 0), invf[i]);
+      float sn, c;
+      sincosf(a, &sn, &c);
+      const float x1 = xs[i], x2 = xs[i + rh2];
+      y = d < rh2 ? __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn)) : __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sn));
+    }
+    px[d] = y;
+    if (wr) { cput<CK>(ck, cb + d, y); cput<CV>(cv, cb + d, v[(size_t)j * D + d]); }
+  }
+}
+
 // the KV-cache write of attention: every active row's k, v at cache[slot, pos] (grid: rows)
 template <int CK, int CV>
 __global__ void kv_write_k(const float *__restrict__ k, const float *__restrict__ v, const int *__restrict__ pos,
