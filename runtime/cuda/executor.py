@@ -961,6 +961,7 @@ class CudaExecutor:
             return dst, 1
 
         self.flops[prog]["linear"] += 2 * pairs * (gate.out * gate.inn + up.out * up.inn + down.out * down.inn)
+        fused = False
         if self._moe_grouped(prog, rows, (gate, up, down)):
             # prompt chunks: the pairs sorted by expert once, each matrix one grouped GEMM (moe_gemm.cu); the sort
             # and the bf16 parts are pooled as g, u and d are
@@ -981,15 +982,12 @@ class CudaExecutor:
             steps += self._swiglu(g, u, g, op.get("limit"))
             xd, dd = scaled("down", g, inter, 1)
             steps.append(MG.bind(down, parted("down", xd), d, route, dd, parts))
-        elif self._moe_fused(op, (gate, up, down), k):
+        elif fused := self._moe_fused(op, (gate, up, down), k):
             # two launches: gate, up and the SwiGLU of every pair; the down of a row's k choices, weighted,
             # summed and added (the combine, the residual add when acc)
             self._need_names += [gate.pair_experts_name(), down.combine_experts_name()]
             steps.append(gate.bind_pair_experts(up, x, g, ids, pairs, k, op.get("limit")))
             steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None))
-            if prog == "decode":
-                self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
-            return steps
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]
             xg, dg = scaled("gate", x, x.shape[-1], k)
@@ -999,10 +997,11 @@ class CudaExecutor:
             steps += self._swiglu(g, u, g, op.get("limit"))
             xd, dd = scaled("down", g, inter, 1)
             steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
-        cb = self.k["moe_combine_k"]
-        cargs = (d, wts, out, np.int32(rows), np.int32(k), np.int32(hidden), np.int32(acc is not None))
-        cgrid = K.grid1d(rows * hidden)
-        steps.append(lambda: cb(cgrid, (256,), cargs))
+        if not fused:                            # the fused down sums the choices itself
+            cb = self.k["moe_combine_k"]
+            cargs = (d, wts, out, np.int32(rows), np.int32(k), np.int32(hidden), np.int32(acc is not None))
+            cgrid = K.grid1d(rows * hidden)
+            steps.append(lambda: cb(cgrid, (256,), cargs))
         if prog == "decode":
             self.decode_bytes += rows * k * (gate.expert_nbytes + up.expert_nbytes + down.expert_nbytes)
         return steps

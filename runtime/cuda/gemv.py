@@ -105,15 +105,12 @@ def compile_kernels(names, defines=()):
 def lazy_launch(name: str, defines, grid, block, args, go=None):
     """A launch of kernel `name` with its arguments fixed, compiled at its first run (the executor precompiles
     its names first); go: the launcher (pdl.launcher's; default a plain launch)."""
-    kern = []
+    kern, go = [], go or (lambda k, g, b, a: k(g, b, a))
 
     def run():
         if not kern:
             kern.append(compile_kernels([name], defines)[name])
-        if go is None:
-            kern[0](grid, block, args)
-        else:
-            go(kern[0], grid, block, args)
+        go(kern[0], grid, block, args)
     return run
 
 

@@ -298,6 +298,15 @@ __device__ __forceinline__ void gemv_plain_body(const u32 *__restrict__ W, const
 // ---- GGML NVFP4: rows of in/64 blocks of 36 bytes (4 E4M3 scale bytes, then 4 sub-blocks of 8 bytes;
 // sub-block byte j: element j low nibble, j+8 high). 8 threads per block: thread t reads data word t
 // (bytes 4+4t, sub-block t/2, elements 4(t&1)..+3 and +8) and scale byte t/2. ----
+// a thread's 8 weights of a GGML NVFP4 data word (lo: elements koff..+3, hi: koff+8..+11) times x there, the
+// chain in element order (one owner: the 1-row body and the experts' combine sum it the same way)
+__device__ __forceinline__ float ggml_dot8(const float (&lo)[4], const float (&hi)[4], const float4 xl, const float4 xh) {
+  float q = lo[0] * xl.x;
+  q = fmaf(lo[1], xl.y, q); q = fmaf(lo[2], xl.z, q); q = fmaf(lo[3], xl.w, q);
+  q = fmaf(hi[0], xh.x, q); q = fmaf(hi[1], xh.y, q); q = fmaf(hi[2], xh.z, q); q = fmaf(hi[3], xh.w, q);
+  return q;
+}
+
 template <int R, int BMAX, int U, int NORM = 0>
 __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ x,
                                 float *__restrict__ y, int out, int in, int nb, int add, int bx,
@@ -365,12 +374,7 @@ __device__ __forceinline__ void gemv_nvfp4_ggml_body(const u8 *__restrict__ W, c
         e4m3x4(hi_nib_e4m3(w), hi);
         const float s = e4m3_1(sv[u][r]);
 #pragma unroll
-        for (int b = 0; b < BMAX; b++) if (b < nb) {
-          float q = lo[0] * xl[b].x;
-          q = fmaf(lo[1], xl[b].y, q); q = fmaf(lo[2], xl[b].z, q); q = fmaf(lo[3], xl[b].w, q);
-          q = fmaf(hi[0], xh[b].x, q); q = fmaf(hi[1], xh[b].y, q); q = fmaf(hi[2], xh[b].z, q); q = fmaf(hi[3], xh[b].w, q);
-          acc[r][b] = fmaf(q, s, acc[r][b]);
-        }
+        for (int b = 0; b < BMAX; b++) if (b < nb) acc[r][b] = fmaf(ggml_dot8(lo, hi, xl[b], xh[b]), s, acc[r][b]);
       }
     }
   }
@@ -790,10 +794,7 @@ __global__ void gemv_nvfp4_ggml_ec(const u8 *__restrict__ W, const float *__rest
         const u32 w = wv[u][r];
         e4m3x4(lo_nib_e4m3(w), lo);
         e4m3x4(hi_nib_e4m3(w), hi);
-        float q = lo[0] * xl.x;
-        q = fmaf(lo[1], xl.y, q); q = fmaf(lo[2], xl.z, q); q = fmaf(lo[3], xl.w, q);
-        q = fmaf(hi[0], xh.x, q); q = fmaf(hi[1], xh.y, q); q = fmaf(hi[2], xh.z, q); q = fmaf(hi[3], xh.w, q);
-        acc[r][0] = fmaf(q, e4m3_1(sv[u][r]) * f, acc[r][0]);
+        acc[r][0] = fmaf(ggml_dot8(lo, hi, xl, xh), e4m3_1(sv[u][r]) * f, acc[r][0]);
       }
     }
   }
