@@ -226,9 +226,43 @@ def test_qk_norm_fold_is_the_unfused_launches_bit_for_bit(name, monkeypatch):
             lg, nt = e.decode([tok])
             logits.append(np.asarray(lg))
             tok = int(nt[0])
-        runs[mode] = (logits, {n: e.exec.state[n].get() for n in e.exec.cache_code})
+        runs[mode] = (logits, {n: a.get() for n, a in e.exec.state.items()})
     for a, b in zip(runs["on"][0], runs["off"][0]):
         assert np.array_equal(a, b)
     assert runs["on"][1].keys() == runs["off"][1].keys() and runs["on"][1]
     for n in runs["on"][1]:
         assert np.array_equal(runs["on"][1][n], runs["off"][1][n]), n
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
+def test_moe_norm_fold_is_the_unfused_launches_within_rounding(monkeypatch):
+    """BLOOMERY_FOLD_MOE_NORM: the RMSNorm before Qwen3-MoE's router and experts folded into their launches gives
+    the unfused launches' logits to float32 rounding and the same greedy tokens, through prompt chunks and
+    decode steps of three slots; the fold is taken in decode (one site a layer) and not with the lever off."""
+    import numpy as np
+    from runtime_artifacts import rel
+    art = artifact("tiny-qwen3_moe/nvfp4")
+    rng = np.random.default_rng(11)
+    prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
+    runs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("BLOOMERY_FOLD_MOE_NORM", mode)
+        e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
+        tags = e.exec.tags.get("decode", [])
+        sites = sum(1 for o in e.exec.plan["programs"]["decode"]["ops"] if o["op"] == "moe_experts")
+        # a site's launches: the router's GEMV (3 rows: one), its top-k, the experts' pair and combine
+        assert tags.count("rmsnorm+moe_router+moe_experts+add") == (4 * sites if mode == "on" else 0), \
+            (mode, sorted(set(tags)))
+        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
+        toks = [int(np.argmax(lg[-1])) for lg in logits]
+        for _ in range(8):
+            lg, nt = e.decode(toks)
+            logits.append(np.asarray(lg))
+            toks = [int(t) for t in nt]
+        runs[mode] = (logits, toks)
+    for a, b in zip(runs["on"][0], runs["off"][0]):
+        assert a.shape == b.shape and max(rel(a[r], b[r]) for r in range(len(a))) <= 1e-5
+        assert (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).all()
+    assert runs["on"][1] == runs["off"][1]

@@ -37,7 +37,7 @@ class Weights:
         t = self.table[name]
         kind = G.kernel_kind(t.format, {"scale": 1} if t.layout == "stored" else {})
         return SimpleNamespace(kind=kind, out=t.shape[-2], inn=t.shape[-1], mma=False, config=None,
-                               experts=math.prod(t.shape[:-2]) if len(t.shape) > 2 else 0)
+                               experts=math.prod(t.shape[:-2]) if len(t.shape) > 2 else 0, wst=0, scst=0)
 
     def pre_quant(self, name):
         return 1 if "pre_quant_scale" in self.table[name].parts else None
@@ -53,6 +53,8 @@ def executor(name, **modes):
     ex.tc_mode, ex.group_mode, ex.fold_norm = modes.get("tc", "auto"), modes.get("group", "on"), modes.get("fold", "on")
     ex.fold_swiglu = modes.get("swiglu", "on")
     ex.fold_qk_norm = modes.get("qk_norm", "on")      # the decision as the lever on makes it
+    ex.fold_moe_norm, ex.moe_decode = modes.get("moe_norm", "on"), modes.get("moe_decode", "fused")
+    ex.moe_mode, ex.gemm_mode, ex.row_mode = "grouped", "bf16x2", modes.get("row", "off")
     return ex, read_plans(art)[0]
 
 
@@ -220,3 +222,33 @@ def test_qk_norms_fold_into_the_rope_launch(name):
             assert len(got) == layers > 0, (name, prog, got)
         if name.startswith("tiny-llama/"):
             assert got == []
+
+
+def moe_norm_folds(ex, plan, prog, rows):
+    ops = plan["programs"][prog]["ops"]
+    return ops, {i: n for i, o in enumerate(ops) if o["op"] == "rmsnorm" and (n := ex._moe_norm_fold(ops, i, rows, prog))}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_norm_folds_into_the_router_and_experts(name):
+    """The RMSNorm before a MoE block joins its router's and experts' launches exactly where only they read it
+    (Qwen3-MoE: every layer, with the residual add after; a family with a shared expert reading it: none),
+    in decode and verify steps (past 8 rows too: the router in launches of 8); not in a prompt chunk the
+    grouped GEMMs take, nor with the lever off or the experts unfused."""
+    ex, plan = executor(name)
+    for prog, rows in (("decode", 1), ("decode", 8), ("verify", 5), ("verify", 13)):
+        ops, got = moe_norm_folds(ex, plan, prog, rows)
+        for i, n in got.items():
+            norm, r, e = ops[i:i + 3]
+            assert r["op"] in ("moe_router", "moe_router_grouped") and e["op"] == "moe_experts", (name, prog, i)
+            assert r["x"] == e["x"] == norm["out"] != norm["x"]
+            assert not read_later(ops, i + n, norm["out"]), f"{name} {prog}: op {i}'s output is read after the fold"
+            assert n == 3 or (n == 4 and ops[i + 3]["op"] == "add" and e["out"] in (ops[i + 3]["a"], ops[i + 3]["b"]))
+        sites = sum(1 for o in ops if o["op"] == "moe_experts")
+        if name.startswith("tiny-qwen3_moe/"):
+            assert sorted(got.values()) == [4] * sites and sites > 0, (prog, rows, got)
+        elif name.startswith(("tiny-llama/", "tiny-qwen3/", "tiny-qwen3_next/", "tiny-glm4_moe/")):
+            assert got == {}, (name, prog, got)
+    assert not moe_norm_folds(ex, plan, "prefill", 16)[1]          # a chunk of 16 rows: the grouped GEMMs
+    for modes in ({"moe_norm": "off"}, {"moe_decode": "unfused"}):
+        assert not moe_norm_folds(executor(name, **modes)[0], plan, "decode", 1)[1], modes

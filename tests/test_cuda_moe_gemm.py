@@ -213,6 +213,41 @@ def test_pair_experts_are_the_unfused_launches_bit_for_bit(limit, R):
     assert cp.array_equal(o, g)
 
 
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_pair_experts_fold_the_rmsnorm(limit):
+    """The pair launch with the RMSNorm before it folded in (norm_weight): against float64 of the norm, the two
+    matrices and the SwiGLU (1e-5 of the bound), and within float32 rounding of the unfused path (rmsnorm_k,
+    then the pair launch on its output); rows of very different scales, a weight far from one."""
+    from bloomery.runtime.cuda import ops as K
+    rng = np.random.default_rng(24)
+    (Wg, Wu, _), (gate, up, _), ids, _ = _decode_setup(rng)
+    k, rows, hidden, eps = 4, ids.size // 4, gate.inn, 1e-6
+    x = (rng.standard_normal((rows, hidden)) * np.array([[0.05], [3.0], [40.0]])).astype(np.float32)
+    nw = (1 + 0.5 * rng.standard_normal(hidden)).astype(np.float32)
+    dids, pairs = cp.asarray(ids), ids.size
+    o = cp.full((pairs, gate.out), cp.nan, cp.float32)
+    gate.bind_pair_experts(up, cp.asarray(x), o, dids, pairs, k, limit, norm_weight=cp.asarray(nw), eps=eps)()
+    xs = cp.empty((rows, hidden), cp.float32)
+    K.kernels()["rmsnorm_k"]((rows,), (128,), (cp.asarray(x), xs, cp.asarray(nw), np.int32(hidden), np.float32(eps),
+                                             np.int32(1)))
+    plain = cp.full((pairs, gate.out), cp.nan, cp.float32)
+    gate.bind_pair_experts(up, xs, plain, dids, pairs, k, limit)()
+    got, unf = cp.asnumpy(o).astype(np.float64), cp.asnumpy(plain).astype(np.float64)
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * nw
+    for p in range(pairs):
+        a, b = Wg[ids[p]] @ xn[p // k], Wu[ids[p]] @ xn[p // k]
+        ba, bb = np.abs(Wg[ids[p]]) @ np.abs(xn[p // k]), np.abs(Wu[ids[p]]) @ np.abs(xn[p // k])
+        if limit is not None:
+            a, b = np.minimum(a, limit), np.clip(b, -limit, limit)
+        ref = a / (1 + np.exp(-a)) * b
+        bound = (np.abs(b) + bb) * ba + np.abs(a) * bb + 1e-30     # |d(silu(a) b)| <= |b| |da| + |a| |db|
+        assert (np.abs(got[p] - ref) <= 1e-5 * bound).all(), f"pair {p}: not the norm, the experts and the SwiGLU"
+        assert (np.abs(got[p] - unf[p]) <= 2e-6 * bound).all(), f"pair {p}: not the unfused launches"
+    with pytest.raises(ValueError, match="norm weight of 3 values"):
+        gate.bind_pair_experts(up, cp.asarray(x), o, dids, pairs, k, norm_weight=cp.zeros(3, cp.float32))
+
+
 @pytest.mark.parametrize("add", [False, True])
 def test_combine_experts_against_float64(add):
     """The down of a row's k choices, weighted and summed (and added) in one launch: against float64 from

@@ -28,7 +28,8 @@ import sys
 
 import numpy as np
 
-SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "qwen3-next-80b-a3b": (16, 2, 256)}
+SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "qwen3-next-80b-a3b": (16, 2, 256),
+          "qwen3-30b-a3b": (32, 4, 128)}
 
 
 FORMS = {"fma": (False, 2), "tc": (True, 2), "tc3": (True, 3), "tc4": (True, 4)}   # (tensor cores, stages)

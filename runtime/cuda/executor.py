@@ -412,6 +412,7 @@ class CudaExecutor:
         self.fold_norm = levers.value("BLOOMERY_FOLD_NORM", os.environ)
         self.fold_swiglu = levers.value("BLOOMERY_FOLD_SWIGLU", os.environ)
         self.fold_qk_norm = levers.value("BLOOMERY_FOLD_QK_NORM", os.environ)
+        self.fold_moe_norm = levers.value("BLOOMERY_FOLD_MOE_NORM", os.environ)
         self.attn_mode = levers.value("BLOOMERY_DECODE_ATTENTION", os.environ)
         self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
         self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
@@ -445,6 +446,11 @@ class CudaExecutor:
                 new = self._rope_qk_kv(ops[i + 2], ops[i + 3], ops[i + 4], bufs, rows, norms=(op, nxt)) + \
                     self._op_attention(ops[i + 4], bufs, rows, prog, write=False)
                 tag, i = "rmsnorm+rmsnorm+rope+rope+attention", i + 5
+            elif op["op"] == "rmsnorm" and (n := self._moe_norm_fold(ops, i, rows, prog)):
+                norm, r_op = (op["x"], self._norm_weight(op), float(op["eps"])), ops[i + 1]
+                new = self._binder(r_op["op"])(r_op, bufs, rows, prog, norm=norm) + \
+                    self._op_moe_experts(ops[i + 2], bufs, rows, prog, acc=ops[i + 3]["out"] if n == 4 else None, norm=norm)
+                tag, i = "+".join(o["op"] for o in ops[i:i + 3]) + ("+add" if n == 4 else ""), i + n
             elif op["op"] == "rmsnorm" and (n := self._norm_fold(ops, i, bufs, rows, prog)):
                 sw = self._swiglu_after(ops, i + 1, n)
                 new = self._op_norm_linears(op, ops[i + 1:i + 1 + n], bufs, rows, prog, swiglu=sw)
@@ -600,8 +606,7 @@ class CudaExecutor:
         if self.fold_norm == "off" or i + 1 >= len(ops) or ops[i + 1]["op"] != "linear" or ops[i + 1]["x"] != op["out"]:
             return 0
         width = bufs[op["x"]].shape[-1]
-        if (int(op["group"]) != width or op["out"] == op["x"]
-                or self.w.vector(op["weight"], float(op.get("offset") or 0.0)).size != width):
+        if int(op["group"]) != width or op["out"] == op["x"] or self._norm_weight(op).size != width:
             return 0
         if self.group_mode == "off":
             n = int(self._member(ops, i + 1, ops[i + 1], rows, prog, set()))
@@ -610,6 +615,33 @@ class CudaExecutor:
         if any(o["out"] == op["x"] for o in ops[i + 1:i + 1 + n]):     # the launch reads x while writing
             return 0
         return n if n and _dead_after(ops, i + 1 + n, op["out"]) else 0
+
+    def _norm_weight(self, op):
+        """An rmsnorm op's weight as it multiplies (offset + weight: Qwen3-Next's norms)."""
+        return self.w.vector(op["weight"], float(op.get("offset") or 0.0))
+
+    def _moe_norm_fold(self, ops, i, rows: int, prog: str) -> int:
+        """How many ops from the rmsnorm ops[i] run as the router's and the experts' launches with the norm
+        folded into both (0: none; lever BLOOMERY_FOLD_MOE_NORM on): a whole-row norm, then the router (its
+        GEMV on the CUDA-core kernels in launches of up to 8 rows, as a Group folds a norm) and the experts
+        (their two-launch form, _moe_fused), both reading the norm's output and nothing after them (3), or
+        after them the residual add the experts accumulate into (4)."""
+        if self.fold_moe_norm == "off" or i + 2 >= len(ops):
+            return 0
+        op, r, e = ops[i], ops[i + 1], ops[i + 2]
+        if (r["op"] not in ("moe_router", "moe_router_grouped") or e["op"] != "moe_experts"
+                or r["x"] != op["out"] or e["x"] != op["out"] or op["out"] == op["x"]):
+            return 0
+        lin = self.w.linear(r["weight"])
+        if int(op["group"]) != lin.inn or self._norm_weight(op).size != lin.inn:
+            return 0
+        if not self._cores_one_launch(prog, lin, rows) or self._row_rows([lin], prog, min(rows, GEMV_ROWS)):
+            return 0
+        lins = tuple(self.w.linear(e[n]) for n in ("gate", "up", "down"))
+        if self._moe_grouped(prog, rows, lins) or not self._moe_fused(e, lins, int(e["top_k"])):
+            return 0
+        n = 4 if self._into_residual(ops, i + 2) else 3
+        return n if _dead_after(ops, i + n, op["out"]) else 0
 
     def _swiglu_after(self, ops, j: int, n: int):
         """The swiglu op that takes the Group ops[j:j + n] into its launch (gemv.Group(pair=True)), or
@@ -628,9 +660,8 @@ class CudaExecutor:
 
     def _op_norm_linears(self, nop, ops, bufs, rows: int, prog: str, swiglu=None) -> list:
         """An rmsnorm and the linears that read its output, as one launch (gemv.Group with norm=True)."""
-        w = self.w.vector(nop["weight"], float(nop.get("offset") or 0.0))
-        return self._op_linear_group(ops, bufs, rows, prog, norm=(w, float(nop["eps"])), x_buf=nop["x"],
-                                     swiglu=swiglu)
+        return self._op_linear_group(ops, bufs, rows, prog, norm=(self._norm_weight(nop), float(nop["eps"])),
+                                     x_buf=nop["x"], swiglu=swiglu)
 
     def _op_linear_group(self, ops, bufs, rows: int, prog: str, norm=None, x_buf: str | None = None,
                          swiglu=None) -> list:
@@ -678,7 +709,7 @@ class CudaExecutor:
         D = int(rq["head_dim"])
         return (b["op"] == "rmsnorm" and a["x"] == a["out"] == rq["x"] and b["x"] == b["out"] == rk["x"]
                 and int(a["group"]) == int(b["group"]) == D and D <= 512
-                and all(self.w.vector(n["weight"], float(n.get("offset") or 0.0)).size == D for n in (a, b)))
+                and all(self._norm_weight(n).size == D for n in (a, b)))
 
     def _rope_qk_kv(self, rq, rk, at, bufs, rows, norms=None) -> list:
         """rope q, rope k and attention's cache write as one launch; norms: the q and k rmsnorm ops before
@@ -692,7 +723,7 @@ class CudaExecutor:
                 np.int32(ck.shape[1]))
         go = PDL.launcher(self.pdl_all)
         if norms is not None:                 # a CTA a (row, head) of rmsnorm_k's threads for a group of D
-            wq, wk = (self.w.vector(n["weight"], float(n.get("offset") or 0.0)) for n in norms)
+            wq, wk = (self._norm_weight(n) for n in norms)
             kern = K.cache_kernel("norm_rope_qk_kv_k", (), self._codes(at))
             args += (wq, wk, np.float32(norms[0]["eps"]), np.float32(norms[1]["eps"]))
             grid, block = (rows * (Hq + Hk),), (_norm_threads(D),)
@@ -802,7 +833,7 @@ class CudaExecutor:
     def _op_rmsnorm(self, op, bufs, rows, prog):
         x, out = bufs[op["x"]], bufs[op["out"]]
         g = int(op["group"])
-        w = self.w.vector(op["weight"], float(op.get("offset") or 0.0))     # offset + weight (Qwen3-Next's norms)
+        w = self._norm_weight(op)                                            # offset + weight (Qwen3-Next's norms)
         if x.shape[-1] % g or w.size not in (g, x.shape[-1]):               # [group] or as wide as the row
             raise PlanMismatch(f"rmsnorm {op['weight']}: weight of {w.size} values, group {g}, row {x.shape[-1]}")
         groups = x.size // g
@@ -921,23 +952,34 @@ class CudaExecutor:
         kern, args = self.k["argmax_k"], (x, out, np.int32(x.shape[-1]))
         return [lambda: kern((rows,), (1024,), args)]
 
-    def _router_logits(self, op, bufs, rows, prog):
+    def _router_logits(self, op, bufs, rows, prog, norm=None):
         """The router's logits x @ weight.T into a scratch [rows, experts], float32 and exact (the
-        expert choice is never rounded): (logits, launches)."""
+        expert choice is never rounded): (logits, launches). norm (x buffer, weight, eps): the RMSNorm
+        before the router folded into its GEMV (_moe_norm_fold), a Group(norm=True) launch of 8 rows at most."""
         lin = self.w.linear(op["weight"])
         lg = self._pool("router_logits", (rows, lin.out))     # written whole, read by the op's next launch
         if prog == "decode":
             self.decode_bytes += lin.nbytes
-        return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
+        if norm is None:
+            return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
+        self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
+        grp, x, steps = G.Group([lin], norm=True), bufs[norm[0]], []
+        for g in range(0, rows, GEMV_ROWS):
+            nb = min(GEMV_ROWS, rows - g)
+            self._need.append((grp, nb, prog == "verify"))
+            steps.append(grp.bind(x[g:g + nb], [lg[g:g + nb]], nb, prog == "verify", norm_weight=norm[1], eps=norm[2]))
+        return lg, steps
 
-    def _op_moe_router(self, op, bufs, rows, prog):
-        lg, steps = self._router_logits(op, bufs, rows, prog)
+    def _op_moe_router(self, op, bufs, rows, prog, norm=None):
+        lg, steps = self._router_logits(op, bufs, rows, prog, norm)
         E, k = lg.shape[1], int(op["top_k"])
         kern = self.k["moe_topk_k"]
         args = (lg, bufs[op["ids"]], bufs[op["weights"]], np.int32(E), np.int32(k), np.int32(bool(op["norm"])))
         return steps + [lambda: kern((rows,), (32,), args, shared_mem=4 * E)]
 
-    def _op_moe_experts(self, op, bufs, rows, prog, acc=None):
+    def _op_moe_experts(self, op, bufs, rows, prog, acc=None, norm=None):
+        """norm (x buffer, weight, eps): the RMSNorm before the experts folded into their paired launch
+        (_moe_norm_fold; the two-launch form only)."""
         gate, up, down = (self.w.linear(op[n]) for n in ("gate", "up", "down"))
         k, E = int(op["top_k"]), int(op["experts"])
         if not (gate.experts == up.experts == down.experts == E):
@@ -983,10 +1025,11 @@ class CudaExecutor:
             xd, dd = scaled("down", g, inter, 1)
             steps.append(MG.bind(down, parted("down", xd), d, route, dd, parts))
         elif fused := self._moe_fused(op, (gate, up, down), k):
-            # two launches: gate, up and the SwiGLU of every pair; the down of a row's k choices, weighted,
-            # summed and added (the combine, the residual add when acc)
-            self._need_names += [gate.pair_experts_name(), down.combine_experts_name()]
-            steps.append(gate.bind_pair_experts(up, x, g, ids, pairs, k, op.get("limit")))
+            # two launches: gate, up and the SwiGLU of every pair (the norm before them folded in when norm);
+            # the down of a row's k choices, weighted, summed and added (the combine, the residual add when acc)
+            self._need_names += [gate.pair_experts_name(norm=norm is not None), down.combine_experts_name()]
+            nx, nw, eps = (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
+            steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps))
             steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None))
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]
@@ -997,6 +1040,8 @@ class CudaExecutor:
             steps += self._swiglu(g, u, g, op.get("limit"))
             xd, dd = scaled("down", g, inter, 1)
             steps.append(lambda: down.launch_experts(xd, d, ids, pairs, dd))
+        if norm is not None and not fused:
+            raise PlanMismatch(f"moe_experts {op['gate']}: a folded RMSNorm needs the two-launch experts")
         if not fused:                            # the fused down sums the choices itself
             cb = self.k["moe_combine_k"]
             cargs = (d, wts, out, np.int32(rows), np.int32(k), np.int32(hidden), np.int32(acc is not None))
@@ -1021,8 +1066,8 @@ class CudaExecutor:
         return (rows > GEMV_ROWS and prog != "verify" and self.moe_mode == "grouped" and self.gemm_mode != "off"
                 and all(MG.supports(lin) is None for lin in lins))
 
-    def _op_moe_router_grouped(self, op, bufs, rows, prog):
-        lg, steps = self._router_logits(op, bufs, rows, prog)
+    def _op_moe_router_grouped(self, op, bufs, rows, prog, norm=None):
+        lg, steps = self._router_logits(op, bufs, rows, prog, norm)
         return steps + MRG.launches(op, lg, self.w.vector(op["bias"]), bufs[op["ids"]], bufs[op["weights"]], rows)
 
     # -- the hybrid and flagship families' ops: kernels in runtime/cuda/<op>.cu, bound by

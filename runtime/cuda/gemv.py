@@ -599,25 +599,33 @@ class Linear:
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
 
-    def pair_experts_name(self, R: int | None = None) -> str:
-        """The name of bind_pair_experts' kernel (GGML NVFP4): the experts config's U, R rows a CTA."""
+    def pair_experts_name(self, R: int | None = None, norm: bool = False) -> str:
+        """The name of bind_pair_experts' kernel (GGML NVFP4): the experts config's U, R rows a CTA;
+        norm: the RMSNorm folded in."""
         c = self.config or default_config(self.kind, self.out, self.inn, 1)
-        return f"gemv_nvfp4_ggml_pair_e<{R or PAIR_E_R}, {c.U}>"
+        return f"gemv_nvfp4_ggml_pair_e<{R or PAIR_E_R}, {c.U}, {int(norm)}>"
 
-    def bind_pair_experts(self, up: "Linear", x, O, eid, pairs: int, xdiv: int, limit=None, R: int | None = None):
+    def bind_pair_experts(self, up: "Linear", x, O, eid, pairs: int, xdiv: int, limit=None, R: int | None = None,
+                          norm_weight=None, eps: float = 0.0):
         """The MoE form's gate (this Linear) and up and the SwiGLU after them in one launch: for each pair
         p < pairs, O[p] = silu(W_gate[eid[p]] x[p // xdiv]) * (W_up[eid[p]] x[p // xdiv]) (limit: the clamp of
         the swiglu op). The thread count of launch_experts, so O is its two launches and the swiglu op's
-        values bit for bit. GGML NVFP4 experts of one shape only (pair_experts_supported). Returns the launch."""
+        values bit for bit. norm_weight (float32 [inn]): x is the input of an RMSNorm of that weight and eps,
+        folded in (Group(norm=True)'s arithmetic: to float32 rounding of the norm's launch, not bit for bit).
+        GGML NVFP4 experts of one shape only (pair_experts_supported). Returns the launch."""
         why = pair_experts_supported(self, up)
         if why:
             raise ValueError(f"gemv.Linear.bind_pair_experts: {why}")
+        if norm_weight is not None and norm_weight.size != self.inn:
+            raise ValueError(f"gemv.Linear.bind_pair_experts: norm weight of {norm_weight.size} values for "
+                             f"{self.inn} inputs")
         c = self.config or default_config(self.kind, self.out, self.inn, 1)
         R = R or PAIR_E_R
-        name, i32 = self.pair_experts_name(R), cp.int32
+        name, i32 = self.pair_experts_name(R, norm_weight is not None), cp.int32
         grid = (math.ceil(self.out / R), int(pairs))
         args = (self.w, up.w, self.sc, up.sc, O, i32(self.out), x, i32(self.inn), i32(xdiv), eid, i32(self.experts),
-                np.int64(self.wst), np.int64(self.scst), i32(limit is not None), np.float32(limit or 0.0))
+                np.int64(self.wst), np.int64(self.scst), i32(limit is not None), np.float32(limit or 0.0),
+                x if norm_weight is None else norm_weight, np.float32(eps))
         return lazy_launch(name, self.defines, grid, (c.T,), args)
 
     def combine_experts_name(self, cfg: "Config | None" = None) -> str:
