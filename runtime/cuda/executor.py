@@ -664,7 +664,9 @@ class CudaExecutor:
                                      x_buf=nop["x"], swiglu=swiglu)
 
     def _op_linear_group(self, ops, bufs, rows: int, prog: str, norm=None, x_buf: str | None = None,
-                         swiglu=None) -> list:
+                         swiglu=None, ys=None) -> list:
+        """The linears ops (a Group) in launches of up to 8 rows; norm (weight, eps): an RMSNorm of x_buf
+        folded in; swiglu: the swiglu op folded into a gate / up pair; ys: the outputs (default the ops')."""
         lins = [self.w.linear(op["weight"]) for op in ops]
         grp = G.Group(lins, norm=norm is not None, pair=swiglu is not None)
         one = prog == "verify"
@@ -674,7 +676,8 @@ class CudaExecutor:
                 self.decode_bytes += lin.nbytes
         nw, eps = norm if norm is not None else (None, 0.0)
         x, steps = bufs[x_buf or ops[0]["x"]], []
-        ys = [bufs[swiglu["out"]]] if swiglu is not None else [bufs[op["out"]] for op in ops]
+        if ys is None:
+            ys = [bufs[swiglu["out"]]] if swiglu is not None else [bufs[op["out"]] for op in ops]
         limit = swiglu.get("limit") if swiglu is not None else None
         for g in range(0, rows, GEMV_ROWS):             # more than 8 rows: verify only (_cores_one_launch)
             nb = min(GEMV_ROWS, rows - g)
@@ -958,17 +961,11 @@ class CudaExecutor:
         before the router folded into its GEMV (_moe_norm_fold), a Group(norm=True) launch of 8 rows at most."""
         lin = self.w.linear(op["weight"])
         lg = self._pool("router_logits", (rows, lin.out))     # written whole, read by the op's next launch
+        if norm is not None:                                  # (the group counts its bytes and FLOPs)
+            return lg, self._op_linear_group([op], bufs, rows, prog, norm=norm[1:], x_buf=norm[0], ys=[lg])
         if prog == "decode":
             self.decode_bytes += lin.nbytes
-        if norm is None:
-            return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
-        self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
-        grp, x, steps = G.Group([lin], norm=True), bufs[norm[0]], []
-        for g in range(0, rows, GEMV_ROWS):
-            nb = min(GEMV_ROWS, rows - g)
-            self._need.append((grp, nb, prog == "verify"))
-            steps.append(grp.bind(x[g:g + nb], [lg[g:g + nb]], nb, prog == "verify", norm_weight=norm[1], eps=norm[2]))
-        return lg, steps
+        return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
 
     def _op_moe_router(self, op, bufs, rows, prog, norm=None):
         lg, steps = self._router_logits(op, bufs, rows, prog, norm)
