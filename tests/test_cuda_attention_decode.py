@@ -61,6 +61,12 @@ def test_attention_decode_matches_float64(H, KV, D, sms):
     step()
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
+    # the launch variants (8 warps a CTA, the P.V loop unrolled): the same FMAs in the same order, so the same bits
+    for warps, pvu in ((4, 8), (8, 0), (8, 8)):
+        other = cp.full((rows, H * D), cp.nan, cp.float32)
+        AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], other, rows, H, KV, D, scale, take, sms=sms,
+                warps=warps, pv_unroll=pvu)()
+        assert (cp.asnumpy(other) == got).all(), f"{warps} warps, P.V unrolled by {pvu}: not the 4-warp kernel's bits"
 
 
 def to16(x, code):
@@ -111,6 +117,12 @@ def test_attention_decode_tensor_cores_match_float64(H, KV, D, cache, sms):
     step()
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
+    # the launch variants (8 warps a CTA, the P.V loop unrolled): the same FMAs in the same order, so the same bits
+    for warps, pvu in ((4, 8), (8, 0), (8, 8)):
+        other = cp.full((rows, H * D), cp.nan, cp.float32)
+        AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], other, rows, H, KV, D, scale, take, sms=sms,
+                warps=warps, pv_unroll=pvu)()
+        assert (cp.asnumpy(other) == got).all(), f"{warps} warps, P.V unrolled by {pvu}: not the 4-warp kernel's bits"
     S = AD.splits(KV, rows, ctx, sms, tc=True)       # split: several; one-split: one; rule: <= one CTA a multiprocessor
     assert S > 1 if sms == 1056 else S == 1 if sms == 1 else KV * rows * S <= max(sms, KV * rows)
 

@@ -11,7 +11,10 @@ same run. Compares the split counts (--waves: the CTAs a multiprocessor the spli
 (attention_decode.splits: the tensor-core form at most one CTA a multiprocessor).
 Per row: the splits and CTAs, us a launch (median), the bytes it must read (keys and values at the
 cache's type, the query; the output and partials are small), GB/s and % of the copy bandwidth.
-Rounds alternate the --waves settings. Prints a table last.
+Rounds alternate the --waves settings. Prints a table last, whose last column says whether a variant of the FMA
+form (--forms fma8 fma-u8 fma8-u8: 8 warps a CTA, the P.V loop unrolled by 8) wrote the fma form's output bit for
+bit. --graph: the launches replayed from one CUDA graph (at short contexts the host's launch rate otherwise
+sets the time).
 
     python -m bloomery.tools.bench_attention --chunk [--shapes llama3-8b] [--contexts 512 4096] [--rounds 3]
 
@@ -32,11 +35,14 @@ SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "qwen3-next-80b
           "qwen3-30b-a3b": (32, 4, 128)}
 
 
-FORMS = {"fma": (False, 2), "tc": (True, 2), "tc3": (True, 3), "tc4": (True, 4)}   # (tensor cores, stages)
+# (tensor cores, stages, warps, P.V unroll): the FMA form at 4 or 8 warps a CTA, its P.V loop as the compiler
+# unrolls it or by 8 (attention_decode.kernel_name); the tensor-core form at 2, 3 or 4 chunks in flight a warp
+FORMS = {"fma": (False, 2, 4, 0), "fma-u8": (False, 2, 4, 8), "fma8": (False, 2, 8, 0), "fma8-u8": (False, 2, 8, 8),
+         "tc": (True, 2, None, None), "tc3": (True, 3, None, None), "tc4": (True, 4, None, None)}
 
 
 def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: int = 1 << 29,
-          form: str = "fma", rows: int = 1, splits: int | None = None) -> dict:
+          form: str = "fma", rows: int = 1, splits: int | None = None, graph: bool = False) -> dict:
     import cupy as cp
 
     from bloomery.runtime.cuda import attention_decode as AD
@@ -65,28 +71,38 @@ def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     if splits:                                           # exactly this many splits (capped at one per 64 keys)
         sms, waves = splits * KV * rows, 1
-    tc, stages = FORMS[form]
+    tc, stages, warps, pvu = FORMS[form]
     waves = waves or None                                # 0: the rule's (runtime/cuda/attention_decode.splits)
     S = AD.splits(KV, rows, n, sms, waves, tc)
     steps = [AD.bind(q, c[0], c[1], pos, slot, out, rows, H, KV, D, 1 / np.sqrt(D), take, sms=sms, cache=(code, code),
-                     waves=waves, tc=tc, stages=stages) for c in caches]
-    s = cp.cuda.get_current_stream()
-    for f in steps:
-        f()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(s)
+                     waves=waves, tc=tc, stages=stages, warps=warps, pv_unroll=pvu) for c in caches]
+    s = cp.cuda.Stream(non_blocking=True) if graph else cp.cuda.get_current_stream()
+
+    def layers_once():
         for f in steps:
             f()
-        e1.record(s)
-        e1.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / len(steps))
+    with s:
+        layers_once()
+        s.synchronize()
+        run = layers_once
+        if graph:                                        # every layer's launch in one graph, replayed
+            s.begin_capture()
+            layers_once()
+            run = s.end_capture().launch
+        digest = hash(cp.asnumpy(out).tobytes())
+        ts = []
+        for _ in range(reps):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            run()
+            e1.record(s)
+            e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / len(steps))
     t = float(np.median(ts))
     nbytes = 2 * per + rows * H * D * 4
     return {"shape": shape, "rows": rows, "context": n, "cache": cache, "form": form, "waves": waves, "splits": S,
             "ctas": KV * rows * S,
-            "us": t * 1e6, "bytes": nbytes, "gb_s": nbytes / t / 1e9}
+            "us": t * 1e6, "bytes": nbytes, "gb_s": nbytes / t / 1e9, "digest": digest}
 
 
 CHUNK_FORMS = {"fma": None, "tc-bn32-pf": (32, 1), "tc-bn32": (32, 0), "tc-bn64": (64, 0)}
@@ -173,9 +189,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-types", nargs="+", default=["f32", "f16"], choices=["f32", "f16", "bf16"])
     ap.add_argument("--waves", nargs="+", type=int, default=[2, 4, 6, 8])
     ap.add_argument("--forms", nargs="+", default=["fma"], choices=sorted(FORMS),
-                    help="fma: float32 FMAs (every cache type); tc, tc3, tc4: the tensor cores (16-bit caches), "
-                         "2, 3 or 4 chunks in flight a warp")
+                    help="fma: float32 FMAs (every cache type; fma8: 8 warps a CTA, -u8: the P.V loop unrolled by 8); "
+                         "tc, tc3, tc4: the tensor cores (16-bit caches), 2, 3 or 4 chunks in flight a warp")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graph", action="store_true",
+                    help="time the layers' launches replayed from one CUDA graph (no host launch cost; a decode step's gaps)")
     ap.add_argument("--rows", nargs="+", type=int, default=[1], help="decode rows (slots), each its own n keys")
     ap.add_argument("--splits", nargs="*", type=int, default=[], help="also these split counts, whatever the waves")
     ap.add_argument("--chunk", action="store_true", help="time the prompt-chunk attention (--contexts: chunk rows)")
@@ -192,23 +210,26 @@ def main(argv=None) -> int:
         for shape in a.shapes:
             for n in a.contexts:
                 for cache in a.cache_types:
-                    forms = [f for f in a.forms if f == "fma" or cache != "f32"]
+                    forms = [f for f in a.forms if not FORMS[f][0] or cache != "f32"]
                     for form in (forms if rnd % 2 == 0 else forms[::-1]):
                         for nr in a.rows:
                             runs = [(w, None) for w in a.waves] + [(f"S{k}", k) for k in a.splits]
                             for w, k in (runs if rnd % 2 == 0 else runs[::-1]):
-                                r = bench(shape, n, cache, 1 if k else w, form=form, rows=nr, splits=k)
+                                r = bench(shape, n, cache, 1 if k else w, form=form, rows=nr, splits=k, graph=a.graph)
                                 rows.setdefault((shape, nr, n, cache, form, w), []).append(r)
                                 print(json.dumps(r), flush=True)
-    print("\n| shape | rows | keys | cache | form | waves | splits | CTAs | us a launch (median of rounds) | GB/s | % copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | rows | keys | cache | form | waves | splits | CTAs | us a launch (median of rounds) | GB/s | % copy "
+          "| output = fma's |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for (shape, nr, n, cache, form, w), rs in rows.items():
         us = float(np.median([r["us"] for r in rs]))
         gb = rs[0]["bytes"] / us / 1e3
         out.append({**rs[0], "us": us, "gb_s": gb, "rounds": [r["us"] for r in rs]})
+        ref = rows.get((shape, nr, n, cache, "fma", w))
+        same = "-" if ref is None or form == "fma" else ("bitwise" if ref[0]["digest"] == rs[0]["digest"] else "differs")
         print(f"| {shape} | {nr} | {n} | {cache} | {form} | {w} | {rs[0]['splits']} | {rs[0]['ctas']} | {us:.1f} | {gb:.0f} | "
-              f"{100 * gb * 1e9 / bw:.1f} |")
+              f"{100 * gb * 1e9 / bw:.1f} | {same} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"copy_bw": bw, "rows": out}, f, indent=1)

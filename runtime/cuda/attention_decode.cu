@@ -109,25 +109,26 @@ __device__ __forceinline__ void merge_splits(const float *part, int *sem, float 
   if (tid == 0) sem[ti] = 0;
 }
 
-template <int DPL, int HPW, int CK = 0, int CV = 0>
-__global__ void __launch_bounds__(128) attention_decode_k(const float *q, const void *ck, const void *cv, const int *pos,
+template <int DPL, int HPW, int CK = 0, int CV = 0, int NW = 4, int PVU = 0>
+__global__ void __launch_bounds__(32 * NW) attention_decode_k(const float *q, const void *ck, const void *cv, const int *pos,
     const int *slot, float *__restrict__ out, float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D,
     int ctx, float scale) {
   grid_dep_entry();
   extern __shared__ float sh[];
   const int kvh = blockIdx.x, r = blockIdx.y, s = blockIdx.z, S = gridDim.z;
+  constexpr int NT = 32 * NW;                        // threads
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, G = H / KV;
   const int DP = D + ((D >> 2) & 1 ? 8 : 4);        // K row stride: 16-byte rows, DP / 4 odd (conflict-free LDS.128)
   const int p = pos[r];
   if (p < 0) {                                       // inactive: zeros, written once
     if (s == 0)
-      for (int i = tid; i < G * D; i += 128) out[((size_t)r * H + kvh * G) * D + i] = 0.f;
+      for (int i = tid; i < G * D; i += NT) out[((size_t)r * H + kvh * G) * D + i] = 0.f;
     return;
   }
   const int n = min(p, ctx - 1) + 1, per = max((n + S - 1) / S, 64);   // splits past the keys: empty
   const int t0 = s * per, t1 = min(n, t0 + per);
   float *Qs = sh, *Ks = Qs + G * D, *Vs = Ks + 32 * DP, *Ps = Vs + 32 * D;   // Ps: [G][32]
-  for (int i = tid; i < G * D; i += 128) Qs[i] = q[((size_t)r * H + kvh * G) * D + i];
+  for (int i = tid; i < G * D; i += NT) Qs[i] = q[((size_t)r * H + kvh * G) * D + i];
   const size_t rs = (size_t)KV * D;
   const size_t K = (size_t)slot[r] * ctx * rs + (size_t)kvh * D, V = K;   // element offsets into ck, cv
   float m[HPW], l[HPW], acc[HPW][DPL];
@@ -138,14 +139,14 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
     for (int i = 0; i < DPL; i++) acc[j][i] = 0.f;
   }
   const int D4 = D >> 2;                             // float4s a key row (D % 4 == 0)
-  constexpr int LPT = 2 * DPL;                        // float4s of a tile's keys (or values) a thread loads, at most
+  constexpr int LPT = 8 * DPL / NW;                   // float4s of a tile's keys (or values) a thread loads, at most
   Raw4<CK> kr4[LPT];                                 // the next tile, loaded while this one is computed, as
   Raw4<CV> vr4[LPT];                                 // the cache's raw words (decoded at the store)
   auto fetch = [&](int tb) {
     const int nt = min(32, t1 - tb);
 #pragma unroll
     for (int u = 0; u < LPT; u++) {
-      const int i = tid + 128 * u, j = i / D4, d = 4 * (i - j * D4);
+      const int i = tid + NT * u, j = i / D4, d = 4 * (i - j * D4);
       kr4[u] = Raw4<CK>{};                            // zeros past the tile's keys
       vr4[u] = Raw4<CV>{};
       if (i < 32 * D4 && j < nt) {
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
     __syncthreads();                                 // the last tile is no longer read
 #pragma unroll
     for (int u = 0; u < LPT; u++) {
-      const int i = tid + 128 * u, j = i / D4, d = 4 * (i - j * D4);
+      const int i = tid + NT * u, j = i / D4, d = 4 * (i - j * D4);
       if (i < 32 * D4) {
         *reinterpret_cast<float4 *>(Ks + j * DP + d) = decode4<CK>(kr4[u]);
         *reinterpret_cast<float4 *>(Vs + j * D + d) = decode4<CV>(vr4[u]);
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
     if (tb + 32 < t1) fetch(tb + 32);
 #pragma unroll
     for (int jh = 0; jh < HPW; jh++) {
-      const int h = w + 4 * jh;
+      const int h = w + NW * jh;
       if (h < G) {                                   // warp-uniform
         float sc = NEG_INF;
         if (lane < nt) {
@@ -199,13 +200,19 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
         __syncwarp();
 #pragma unroll
         for (int i = 0; i < DPL; i++) acc[jh][i] *= c;
-        for (int j = 0; j < nt; j++) {
+        auto pv = [&](int j) {                         // key j's value row into the accumulators
           const float pj = Ps[h * 32 + j];
 #pragma unroll
           for (int i = 0; i < DPL; i++) {
             const int d = lane + 32 * i;
             if (d < D) acc[jh][i] = fmaf(pj, Vs[j * D + d], acc[jh][i]);
           }
+        };
+        if constexpr (PVU > 0) {
+#pragma unroll PVU
+          for (int j = 0; j < nt; j++) pv(j);
+        } else {
+          for (int j = 0; j < nt; j++) pv(j);
         }
         __syncwarp();
       }
@@ -215,7 +222,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
   if (S == 1) {
 #pragma unroll
     for (int jh = 0; jh < HPW; jh++) {
-      const int h = w + 4 * jh;
+      const int h = w + NW * jh;
       if (h < G)
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
@@ -229,7 +236,7 @@ __global__ void __launch_bounds__(128) attention_decode_k(const float *q, const 
   const int RP = 2 + D;
 #pragma unroll
   for (int jh = 0; jh < HPW; jh++) {
-    const int h = w + 4 * jh;
+    const int h = w + NW * jh;
     if (h < G) {
       float *pp = part + (((size_t)r * H + kvh * G + h) * S + s) * RP;
       if (lane == 0) { pp[0] = m[jh]; pp[1] = l[jh]; }

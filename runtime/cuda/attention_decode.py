@@ -75,22 +75,33 @@ def smem_bytes(G: int, D: int) -> int:
     return 4 * (G * D + 32 * k_stride(D) + 32 * D + G * 32)
 
 
-def kernel_name(G: int, D: int, cache=(0, 0)) -> str:
-    """cache: the KV cache's type codes (ops.CACHE_CODE) of the keys and the values."""
-    hpw = -(-G // 4)
-    tail = "" if tuple(cache) == (0, 0) else f", {cache[0]}, {cache[1]}"
-    return f"attention_decode_k<{-(-D // 32)}, {4 if hpw == 3 else hpw}{tail}>"
+WARPS = 4        # the FMA form's warps a CTA (a warp's query heads: every WARPS-th)
+PV_UNROLL = 0    # its P.V loop over a tile's keys unrolled by this many (0: as the compiler chooses)
+
+
+def kernel_name(G: int, D: int, cache=(0, 0), warps: int | None = None, pv_unroll: int | None = None) -> str:
+    """cache: the KV cache's type codes (ops.CACHE_CODE) of the keys and the values; warps (4 or 8) and
+    pv_unroll: WARPS and PV_UNROLL where None."""
+    nw, pvu = warps or WARPS, PV_UNROLL if pv_unroll is None else pv_unroll
+    if nw not in (4, 8):
+        raise ValueError(f"attention_decode: {nw} warps a CTA (4 or 8)")
+    hpw = -(-G // nw)
+    hpw = 4 if hpw == 3 else hpw
+    tail = "" if (tuple(cache), nw, pvu) == ((0, 0), 4, 0) else f", {cache[0]}, {cache[1]}"
+    if (nw, pvu) != (4, 0):
+        tail += f", {nw}, {pvu}"
+    return f"attention_decode_k<{-(-D // 32)}, {hpw}{tail}>"
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
          split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False,
-         tc: bool | None = None, stages: int = TC_STAGES):
+         tc: bool | None = None, stages: int = TC_STAGES, warps: int | None = None, pv_unroll: int | None = None):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
     cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES);
     pdl: launched with programmatic dependent launch (runtime/cuda/pdl.py); tc: the tensor-core form
     (None: wherever tc_supports allows it; True: it or an error; False: the float32 FMA form);
-    stages: the tensor-core form's chunks in flight a warp."""
+    stages: the tensor-core form's chunks in flight a warp; warps, pv_unroll: the FMA form's (kernel_name)."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
@@ -102,10 +113,10 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
     G, S = H // KV, splits(KV, split_rows or rows, ctx, sms, waves, use_tc)
     if use_tc:
         kern = cu.kernel("attention_decode", f"attention_decode_tc<{D}, {stages}, {cache[0]}, {cache[1]}>")
-        smem = tc_smem_bytes(D, cache, stages)
+        smem, threads = tc_smem_bytes(D, cache, stages), 128
     else:
-        kern = cu.kernel("attention_decode", kernel_name(G, D, cache))
-        smem = smem_bytes(G, D)
+        kern = cu.kernel("attention_decode", kernel_name(G, D, cache, warps, pv_unroll))
+        smem, threads = smem_bytes(G, D), 32 * (warps or WARPS)
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem
     part = pool("attention_decode.part", (rows * H * S * (D + 2) if S > 1 else 1,))   # S == 1: unused
@@ -116,4 +127,4 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
         args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                 np.float32(scale))
     go = PDL.launcher(pdl)
-    return lambda: go(kern, (KV, rows, S), (128,), args, shared_mem=smem)
+    return lambda: go(kern, (KV, rows, S), (threads,), args, shared_mem=smem)
