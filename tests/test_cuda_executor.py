@@ -237,6 +237,42 @@ def test_qk_norm_fold_is_the_unfused_launches_bit_for_bit(name, monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
+@pytest.mark.parametrize("name,fold", [("tiny-qwen3_moe/nvfp4", "off"), ("tiny-qwen3_moe/nvfp4", "on"),
+                                       ("tiny-qwen3_next/nvfp4", "off")])
+def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
+    """BLOOMERY_MOE_ROUTER fused: each decode step's router is one launch (its GEMV and top-k; with
+    BLOOMERY_FOLD_MOE_NORM on, the norm before it too), and the logits and every state buffer are the two
+    launches' bit for bit, through prompt chunks and decode steps of three slots."""
+    import numpy as np
+    art = artifact(name)
+    rng = np.random.default_rng(12)
+    prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
+    monkeypatch.setenv("BLOOMERY_FOLD_MOE_NORM", fold)
+    runs = {}
+    for mode in ("fused", "two"):
+        monkeypatch.setenv("BLOOMERY_MOE_ROUTER", mode)
+        e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
+        ops, tags = e.exec.plan["programs"]["decode"]["ops"], e.exec.tags.get("decode", [])
+        sites = sum(1 for o in ops if o["op"] == "moe_router")
+        tag, per = ("rmsnorm+moe_router+moe_experts+add", 4) if fold == "on" else ("moe_router", 2)
+        assert sites and tags.count(tag) == sites * (per - (mode == "fused")), (mode, sorted(set(tags)))
+        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
+        toks = [int(np.argmax(lg[-1])) for lg in logits]
+        for _ in range(8):
+            lg, nt = e.decode(toks)
+            logits.append(np.asarray(lg))
+            toks = [int(t) for t in nt]
+        runs[mode] = (logits, {n: a.get() for n, a in e.exec.state.items()})
+    for a, b in zip(runs["fused"][0], runs["two"][0]):
+        assert np.array_equal(a, b)
+    assert runs["fused"][1].keys() == runs["two"][1].keys() and runs["fused"][1]
+    for n in runs["fused"][1]:
+        assert np.array_equal(runs["fused"][1][n], runs["two"][1][n]), n
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
 def test_moe_norm_fold_is_the_unfused_launches_within_rounding(monkeypatch):
     """BLOOMERY_FOLD_MOE_NORM: the RMSNorm before Qwen3-MoE's router and experts folded into their launches gives
     the unfused launches' logits to float32 rounding and the same greedy tokens, through prompt chunks and
@@ -247,6 +283,7 @@ def test_moe_norm_fold_is_the_unfused_launches_within_rounding(monkeypatch):
     rng = np.random.default_rng(11)
     prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
     runs = {}
+    monkeypatch.setenv("BLOOMERY_MOE_ROUTER", "two")
     for mode in ("on", "off"):
         monkeypatch.setenv("BLOOMERY_FOLD_MOE_NORM", mode)
         e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)

@@ -54,6 +54,7 @@ def executor(name, **modes):
     ex.fold_swiglu = modes.get("swiglu", "on")
     ex.fold_qk_norm = modes.get("qk_norm", "on")      # the decision as the lever on makes it
     ex.fold_moe_norm, ex.moe_decode = modes.get("moe_norm", "on"), modes.get("moe_decode", "fused")
+    ex.moe_router = modes.get("moe_router", "fused")
     ex.moe_mode, ex.gemm_mode, ex.row_mode = "grouped", "bf16x2", modes.get("row", "off")
     return ex, read_plans(art)[0]
 
@@ -252,3 +253,18 @@ def test_moe_norm_folds_into_the_router_and_experts(name):
     assert not moe_norm_folds(ex, plan, "prefill", 16)[1]          # a chunk of 16 rows: the grouped GEMMs
     for modes in ({"moe_norm": "off"}, {"moe_decode": "unfused"}):
         assert not moe_norm_folds(executor(name, **modes)[0], plan, "decode", 1)[1], modes
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_router_runs_in_one_launch_where_it_can(name):
+    """BLOOMERY_MOE_ROUTER fused: every softmax top-k router of a decode step of up to 8 rows is one launch
+    (Qwen3-MoE's and Qwen3-Next's BF16 routers, on the CUDA-core GEMV); not a verify step (each of its rows
+    as the 1-row step computes it), not past 8 rows, not a grouped router (GLM's), not with the lever at two."""
+    ex, plan = executor(name)
+    for prog, rows, want in (("decode", 1, True), ("decode", 8, True), ("decode", 16, False), ("verify", 5, False)):
+        routers = [o for o in plan["programs"][prog]["ops"] if o["op"] == "moe_router"]
+        assert [ex._router_fused(o, rows, prog) for o in routers] == [want] * len(routers), (prog, rows)
+        if name.startswith(("tiny-qwen3_moe/", "tiny-qwen3_next/")):
+            assert routers, (name, prog)
+    off = executor(name, moe_router="two")[0]
+    assert not any(off._router_fused(o, 1, "decode") for o in plan["programs"]["decode"]["ops"] if o["op"] == "moe_router")

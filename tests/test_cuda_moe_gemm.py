@@ -287,3 +287,50 @@ def test_combine_experts_refuses_what_it_does_not_take():
     other = G.Linear("mxfp8", (2, 64, 128), arrays)
     assert "GGML NVFP4" in G.combine_experts_supported(other, 4)
     assert G.pair_experts_supported(gate, other) is not None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("E,k,renorm", [(128, 8, True), (512, 10, False), (8, 2, True)])
+def test_router_in_one_launch_is_the_two_launches_bit_for_bit(rows, norm, E, k, renorm):
+    """moe_router in one launch (Linear.bind_topk, gemv_plain_topk): the router GEMV's logits (launch(), or the
+    Group(norm=True) launch that folds the RMSNorm before it) and moe_topk_k's ids and weights after it, bit for
+    bit; the choice is also NumPy's moe_router op on those logits; two launches in a row give the same bits
+    and leave the counter at zero. Rows of very different scales; tied logits (equal router rows)."""
+    from bloomery.runtime.cuda import ops as K
+    from bloomery.runtime.ops import moe_router
+    rng = np.random.default_rng(E + k + rows)
+    hidden, eps = 2048, 1e-6
+    W = rng.standard_normal((E, hidden)).astype(np.float32) * 0.05
+    W[E // 2] = W[E // 2 - 1]                              # two experts with equal logits: ties to the lower index
+    words = (W.view(np.uint32) >> 16).astype(np.uint16)   # bf16 (truncated; the kernel reads the words as stored)
+    lin = G.Linear("bf16", (E, hidden), {"weight": cp.asarray(words)})
+    assert G.topk_supported(lin, rows, k) is None
+    x = (rng.standard_normal((rows, hidden)) * np.array([[0.05], [3.0], [40.0]] * 3)[:rows]).astype(np.float32)
+    nw = (1 + 0.5 * rng.standard_normal(hidden)).astype(np.float32)
+    dx, dnw = cp.asarray(x), cp.asarray(nw)
+    sem = cp.zeros(1, cp.int32)
+    lg, ids, wts = cp.full((rows, E), cp.nan, cp.float32), cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    one = lin.bind_topk(dx, lg, rows, ids, wts, k, renorm, sem, norm_weight=dnw if norm else None, eps=eps)
+    one()
+    got = [cp.asnumpy(a) for a in (lg, ids, wts)]
+    lg2, ids2, wts2 = cp.full((rows, E), cp.nan, cp.float32), cp.full((rows, k), -1, cp.int32), cp.full((rows, k), cp.nan, cp.float32)
+    if norm:
+        G.Group([lin], norm=True).bind(dx, [lg2], rows, norm_weight=dnw, eps=eps)()
+    else:
+        lin.launch(dx, lg2, rows)
+    K.kernels()["moe_topk_k"]((rows,), (32,), (lg2, ids2, wts2, np.int32(E), np.int32(k), np.int32(renorm)), shared_mem=4 * E)
+    want = [cp.asnumpy(a) for a in (lg2, ids2, wts2)]
+    for name, a, b in zip(("logits", "ids", "weights"), got, want):
+        assert np.array_equal(a, b), f"{name}: not the two launches' bits"
+    buf = {"x": got[0], "w": None, "ids": np.zeros((rows, k), np.int64), "wts": np.zeros((rows, k), np.float32)}
+    moe_router.run({"x": "x", "weight": "eye", "ids": "ids", "weights": "wts", "top_k": k, "norm": renorm},
+                   buf, {"eye": np.eye(E, dtype=np.float32)})
+    assert np.array_equal(buf["ids"], got[1]), "not NumPy's choice on the same logits"
+    assert np.allclose(buf["wts"], got[2], rtol=1e-6, atol=0)
+    assert int(sem.get()[0]) == 0, "the counter not left at zero"
+    one()
+    assert all(np.array_equal(a, cp.asnumpy(b)) for a, b in zip(got, (lg, ids, wts))), "a second launch differs"
+    with pytest.raises(ValueError, match="norm weight of 3 values"):
+        lin.bind_topk(dx, lg, rows, ids, wts, k, renorm, sem, norm_weight=cp.zeros(3, cp.float32))
+    assert G.topk_supported(lin, 9, k) is not None and G.topk_supported(lin, rows, E + 1) is not None

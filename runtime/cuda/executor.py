@@ -417,6 +417,7 @@ class CudaExecutor:
         self.chunk_mode = levers.value("BLOOMERY_CHUNK_ATTENTION", os.environ)
         self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
         self.moe_decode = levers.value("BLOOMERY_MOE_DECODE", os.environ)
+        self.moe_router = levers.value("BLOOMERY_MOE_ROUTER", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -967,7 +968,26 @@ class CudaExecutor:
             self.decode_bytes += lin.nbytes
         return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
 
+    def _router_fused(self, op, rows: int, prog: str) -> bool:
+        """Whether the moe_router op runs as one launch (gemv_plain_topk; lever BLOOMERY_MOE_ROUTER fused): a
+        decode step of up to 8 rows whose router GEMV runs on the CUDA-core kernels in one launch, a matrix
+        and top k that Linear.bind_topk takes."""
+        if self.moe_router != "fused" or prog != "decode" or rows > GEMV_ROWS:
+            return False
+        lin = self.w.linear(op["weight"])
+        return self._cores_one_launch(prog, lin, rows) and G.topk_supported(lin, rows, int(op["top_k"])) is None
+
     def _op_moe_router(self, op, bufs, rows, prog, norm=None):
+        if self._router_fused(op, rows, prog):
+            lin = self.w.linear(op["weight"])
+            lg = self._pool("router_logits", (rows, lin.out))
+            sem = self._pool("router_sem", (1,), np.int32)
+            self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
+            self.decode_bytes += lin.nbytes
+            nx, nw, eps = (bufs[op["x"]], None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
+            self._need_names.append(lin.topk_name(rows, norm is not None))
+            return [lin.bind_topk(nx, lg, rows, bufs[op["ids"]], bufs[op["weights"]], int(op["top_k"]),
+                                  bool(op["norm"]), sem, norm_weight=nw, eps=eps)]
         lg, steps = self._router_logits(op, bufs, rows, prog, norm)
         E, k = lg.shape[1], int(op["top_k"])
         kern = self.k["moe_topk_k"]

@@ -599,6 +599,34 @@ class Linear:
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
 
+    def topk_name(self, nb: int, norm: bool = False) -> str:
+        """The name of bind_topk's kernel: the 1-launch router of nb rows (norm: the RMSNorm folded in)."""
+        c = default_config(self.kind, self.out, self.inn, nb)
+        return f"gemv_plain_topk<{FMT_ID[self.kind]}, {c.R}, {batch_bucket(nb)}, {c.U}, {c.WPC}, {int(norm)}>"
+
+    def bind_topk(self, x, y, nb: int, ids, wts, k: int, renorm: bool, sem, norm_weight=None, eps: float = 0.0):
+        """moe_router in one launch (gemv_plain_topk): y[:nb] = W x[:nb] (this Linear: the router's [experts,
+        in] matrix; y the logits scratch [nb, experts]), then each row's top-k choice as moe_topk_k makes it
+        into ids / wts [nb, k] (renorm: the weights renormalised). The logits are launch()'s and the choice
+        moe_topk_k's, bit for bit. norm_weight (float32 [inn]): x is the input of an RMSNorm of that weight and
+        eps, folded in as Group(norm=True) folds it (the same bits as that launch). sem: one int32, zero (every
+        launch leaves it so). Returns the launch."""
+        why = topk_supported(self, nb, k)
+        if why:
+            raise ValueError(f"gemv.Linear.bind_topk: {why}")
+        if norm_weight is not None and norm_weight.size != self.inn:
+            raise ValueError(f"gemv.Linear.bind_topk: norm weight of {norm_weight.size} values for {self.inn} inputs")
+        c, i32 = default_config(self.kind, self.out, self.inn, nb), cp.int32
+        name = self.topk_name(nb, norm_weight is not None)
+        s = self.s if self.s is not None else self.w          # unused pointer slots, as launch()
+        sc = self.sc if self.sc is not None else x
+        args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), x if norm_weight is None else norm_weight,
+                np.float32(eps), sem, ids, wts, i32(k), i32(bool(renorm)))
+        smem = 4 * (c.T // 32) * self.out
+        go = PDL.launcher(self.pdl)
+        return lazy_launch(name, self.defines, (math.ceil(self.out / c.R),), (c.T,), args,
+                           lambda kern, g, b, a: go(kern, g, b, a, shared_mem=smem))
+
     def pair_experts_name(self, R: int | None = None, norm: bool = False) -> str:
         """The name of bind_pair_experts' kernel (GGML NVFP4): the experts config's U, R rows a CTA;
         norm: the RMSNorm folded in."""
@@ -741,6 +769,18 @@ class Linear:
 
 GROUP_KINDS = ("nvfp4_ggml", "q8_0") + tuple(FMT_ID)
 GROUP_MAX = 3
+
+
+def topk_supported(lin, nb: int, k: int) -> str | None:
+    """None when Linear.bind_topk takes this router matrix (nb rows, the top k), else why not."""
+    if lin.kind not in FMT_ID or lin.experts or lin.mma or lin.config:
+        return f"a plain-format matrix at its default launch, got {lin.kind} (experts {lin.experts})"
+    if not 1 <= nb <= MAX_BATCH:
+        return f"{nb} rows (1..{MAX_BATCH})"
+    c = default_config(lin.kind, lin.out, lin.inn, nb)
+    if not 1 <= k <= lin.out or 4 * (c.T // 32) * lin.out > 48 * 1024:
+        return f"the top {k} of {lin.out} experts, {c.T // 32} warps' probabilities in 48 KiB of shared memory"
+    return None
 
 
 PAIR_E_R = 8                              # rows a CTA of gemv_nvfp4_ggml_pair_e (tools/bench_moe_gemm.py --decode)

@@ -21,9 +21,9 @@ Block scales multiply a per-block partial sum (one FMA per block and batch row).
 """
 
 from .cu import header
-from .ops_src import GRID_DEP, SWIGLU
+from .ops_src import GRID_DEP, MOE_TOPK, SWIGLU
 
-SOURCE = SWIGLU + GRID_DEP + header("numerics") + r"""
+SOURCE = SWIGLU + GRID_DEP + MOE_TOPK + header("numerics") + r"""
 
 #define FMT_F32 0
 #define FMT_BF16 1
@@ -649,6 +649,30 @@ __global__ void gemv_plain_g(const u32 *__restrict__ W0, const u32 *__restrict__
   else if (m == 1) gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W1, S1, sc1, x, y1, out1, in, nb, add, blockIdx.x - c1, nw, eps);
   else gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W2, S2, sc2, x, y2, out2, in, nb, add, blockIdx.x - c2, nw, eps);
 }
+// ---- moe_router in one launch (a decode step's router; lever BLOOMERY_MOE_ROUTER fused): the router's GEMV
+// as gemv_plain computes it (NORM 1: as gemv_plain_g's one member with the RMSNorm before it folded in), its
+// logits y [nb][out] written whole; then the last CTA to finish (a counter, sem[0], left at 0) makes
+// moe_topk_k's choice for each row (warp w: rows w, w + warps, ...; pr: E floats a warp). The same logits,
+// ids and weights as the GEMV launch and moe_topk_k after it, bit for bit; one launch instead of two. ----
+template <int FMT, int R, int BMAX, int U, int WPC, int NORM>
+__global__ void gemv_plain_topk(const u32 *__restrict__ W, const void *__restrict__ S, const float *__restrict__ sc,
+                                const float *x, float *y, int out, int in, int nb, const float *__restrict__ nw,
+                                float eps, int *sem, int *ids, float *wts, int k, int norm) {
+  extern __shared__ float pr[];
+  __shared__ int last;
+  gemv_plain_body<FMT, R, BMAX, U, WPC, NORM>(W, S, sc, x, y, out, in, nb, 0, blockIdx.x, nw, eps);
+  __threadfence();                                   // this CTA's logits before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(sem, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int w = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int b = w; b < nb; b += nwarps)
+    moe_topk_warp(y + (size_t)b * out, pr + (size_t)w * out, ids + (size_t)b * k, wts + (size_t)b * k, out, k, norm);
+  if (threadIdx.x == 0) sem[0] = 0;
+}
+
 template <int R, int BMAX, int U, int NORM>
 __global__ void gemv_nvfp4_ggml_g(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2,
                                   const void *S0, const void *S1, const void *S2, const float *sc0, const float *sc1, const float *sc2,

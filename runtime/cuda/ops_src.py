@@ -20,7 +20,10 @@ SWIGLU = header("swiglu")     # runtime/cuda/swiglu.cuh
 # which the compiler may turn into the read-only path, undefined for data written while the kernel runs).
 GRID_DEP = header("pdl")              # grid_dep_launch / grid_dep_wait (runtime/cuda/pdl.cuh)
 
-SOURCE = SWIGLU + GRID_DEP + r"""
+# moe_router's top-k choice of a row, one owner: moe_topk_k below and gemv_src.py's gemv_plain_topk
+MOE_TOPK = header("moe_topk")         # runtime/cuda/moe_topk.cuh
+
+SOURCE = SWIGLU + GRID_DEP + MOE_TOPK + r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -597,39 +600,12 @@ __global__ void scale_cols_e_k(const float *__restrict__ x, const float *__restr
     out[(size_t)p * n + i] = __fmul_rn(x[(size_t)(p / xdiv) * n + i], pq[(size_t)e * n + i]);
 }
 
-// moe_router after its GEMV: one warp per row over E logits: softmax (max subtracted), the top k
-// (largest first, ties to the lower index), renormalised when norm. Shared: E floats.
+// moe_router after its GEMV: one warp per row over E logits (moe_topk.cuh). Shared: E floats.
 __global__ void moe_topk_k(const float *__restrict__ logits, int *__restrict__ ids, float *__restrict__ wts,
                            int E, int k, int norm) {
   extern __shared__ float pr[];
-  const int r = blockIdx.x, lane = threadIdx.x;
-  const float *lg = logits + (size_t)r * E;
-  float mx = NEG_INF;
-  for (int i = lane; i < E; i += 32) mx = fmaxf(mx, lg[i]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  for (int i = lane; i < E; i += 32) { const float e = expf(lg[i] - mx); pr[i] = e; sum += e; }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  for (int i = lane; i < E; i += 32) pr[i] = pr[i] / sum;
-  __syncwarp();
-  float tot = 0.f;
-  for (int j = 0; j < k; j++) {
-    float bv = -1.f; int bi = 0x7fffffff;
-    for (int i = lane; i < E; i += 32) { const float v = pr[i]; if (v > bv) { bv = v; bi = i; } }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    if (lane == 0) { ids[r * k + j] = bi; wts[r * k + j] = bv; pr[bi] = -2.f; }
-    tot += bv;
-    __syncwarp();
-  }
-  if (norm && lane == 0)
-    for (int j = 0; j < k; j++) wts[r * k + j] = wts[r * k + j] / tot;
+  const int r = blockIdx.x;
+  moe_topk_warp(logits + (size_t)r * E, pr, ids + (size_t)r * k, wts + (size_t)r * k, E, k, norm);
 }
 
 // moe_experts' sum: out[r, i] = sum_j wts[r, j] * y[r * k + j, i]
