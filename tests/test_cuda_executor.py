@@ -273,6 +273,32 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
+def test_moe_prefetch_changes_no_value(monkeypatch):
+    """BLOOMERY_MOE_PREFETCH on: the paired experts' launch also brings the down matrices into the L2; the
+    logits of prompt chunks and decode steps of three slots are those with it off, bit for bit."""
+    import numpy as np
+    art = artifact("tiny-qwen3_moe/nvfp4")
+    rng = np.random.default_rng(13)
+    prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
+    runs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("BLOOMERY_MOE_PREFETCH", mode)
+        e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
+        names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
+        assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)   # <R, U, NORM[, 1]>
+        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
+        toks = [int(np.argmax(lg[-1])) for lg in logits]
+        for _ in range(6):
+            lg, nt = e.decode(toks)
+            logits.append(np.asarray(lg))
+            toks = [int(t) for t in nt]
+        runs[mode] = logits
+    assert all(np.array_equal(a, b) for a, b in zip(runs["on"], runs["off"]))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.models
 def test_moe_norm_fold_is_the_unfused_launches_within_rounding(monkeypatch):
     """BLOOMERY_FOLD_MOE_NORM: the RMSNorm before Qwen3-MoE's router and experts folded into their launches gives
     the unfused launches' logits to float32 rounding and the same greedy tokens, through prompt chunks and

@@ -194,7 +194,7 @@ def test_pair_experts_are_the_unfused_launches_bit_for_bit(limit, R):
     bit for bit (each half is the expert GEMV's body at its thread count)."""
     from bloomery.runtime.cuda import ops as K
     rng = np.random.default_rng(21)
-    _, (gate, up, _), ids, _ = _decode_setup(rng)
+    _, (gate, up, down), ids, _ = _decode_setup(rng)
     k, rows = 4, ids.size // 4
     x = cp.asarray(rng.standard_normal((rows, gate.inn)).astype(np.float32) * 2)
     dids, pairs = cp.asarray(ids), ids.size
@@ -211,6 +211,13 @@ def test_pair_experts_are_the_unfused_launches_bit_for_bit(limit, R):
     gate.bind_pair_experts(up, x, o, dids, pairs, k, limit, R=R)()
     assert bool(cp.isfinite(o).all())
     assert cp.array_equal(o, g)
+    # the down matrices brought into the L2 by the same launch (BLOOMERY_MOE_PREFETCH): the same bits
+    o[...] = cp.nan
+    gate.bind_pair_experts(up, x, o, dids, pairs, k, limit, R=R, prefetch=down)()
+    assert cp.array_equal(o, g), "the prefetching launch changed the values"
+    with pytest.raises(ValueError, match="prefetch of"):
+        one = G.Linear("nvfp4", (down.out, down.inn), {"weight": down.w[0], "scale_2": down.sc[:1]})   # not stacked
+        gate.bind_pair_experts(up, x, o, dids, pairs, k, limit, R=R, prefetch=one)
 
 
 @pytest.mark.parametrize("limit", [None, 0.5])

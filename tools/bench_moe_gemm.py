@@ -138,8 +138,8 @@ def bench_decode(shape: str, tokens: int, rounds: int, sweep: bool = False) -> l
             cb(cg, (256,), cargs)
         return run
 
-    def fused(ids, R, cfg):
-        a = gate.bind_pair_experts(up, x, g, ids, pairs, k, R=R)
+    def fused(ids, R, cfg, pf=False):
+        a = gate.bind_pair_experts(up, x, g, ids, pairs, k, R=R, prefetch=down if pf else None)
         b = down.bind_combine_experts(g, wts, y, ids, tokens, k, add=True, cfg=cfg)
         return lambda: (a(), b())
 
@@ -154,6 +154,9 @@ def bench_decode(shape: str, tokens: int, rounds: int, sweep: bool = False) -> l
             if R == G.PAIR_E_R and c == G.EC_CONFIG:
                 tag += " (executor)"
             forms[tag] = (lambda ids, R=R, c=c: fused(ids, R, c))
+    # the executor's forms with the down matrices brought into the L2 by the pair launch (BLOOMERY_MOE_PREFETCH)
+    forms[f"fused pair R{G.PAIR_E_R}, ec R{G.EC_CONFIG.R} T{G.EC_CONFIG.T} U{G.EC_CONFIG.U}, down prefetched"] = \
+        lambda ids: fused(ids, G.PAIR_E_R, G.EC_CONFIG, pf=True)
     # checks on the first id set: the pair bit for bit, the output against float64
     ids0 = idsets[0]
     y[...] = res

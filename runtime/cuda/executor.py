@@ -418,6 +418,7 @@ class CudaExecutor:
         self.moe_mode = levers.value("BLOOMERY_MOE_GEMM", os.environ)
         self.moe_decode = levers.value("BLOOMERY_MOE_DECODE", os.environ)
         self.moe_router = levers.value("BLOOMERY_MOE_ROUTER", os.environ)
+        self.moe_prefetch = levers.value("BLOOMERY_MOE_PREFETCH", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -1044,9 +1045,12 @@ class CudaExecutor:
         elif fused := self._moe_fused(op, (gate, up, down), k):
             # two launches: gate, up and the SwiGLU of every pair (the norm before them folded in when norm);
             # the down of a row's k choices, weighted, summed and added (the combine, the residual add when acc)
-            self._need_names += [gate.pair_experts_name(norm=norm is not None), down.combine_experts_name()]
+            pf = down if self.moe_prefetch == "on" else None     # the down matrices into the L2 meanwhile
+            self._need_names += [gate.pair_experts_name(norm=norm is not None, prefetch=pf is not None),
+                                 down.combine_experts_name()]
             nx, nw, eps = (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
-            steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps))
+            steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps,
+                                                prefetch=pf))
             steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None))
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]

@@ -627,20 +627,22 @@ class Linear:
         return lazy_launch(name, self.defines, (math.ceil(self.out / c.R),), (c.T,), args,
                            lambda kern, g, b, a: go(kern, g, b, a, shared_mem=smem))
 
-    def pair_experts_name(self, R: int | None = None, norm: bool = False) -> str:
+    def pair_experts_name(self, R: int | None = None, norm: bool = False, prefetch: bool = False) -> str:
         """The name of bind_pair_experts' kernel (GGML NVFP4): the experts config's U, R rows a CTA;
-        norm: the RMSNorm folded in."""
+        norm: the RMSNorm folded in; prefetch: the down matrices brought into the L2."""
         c = self.config or default_config(self.kind, self.out, self.inn, 1)
-        return f"gemv_nvfp4_ggml_pair_e<{R or PAIR_E_R}, {c.U}, {int(norm)}>"
+        return f"gemv_nvfp4_ggml_pair_e<{R or PAIR_E_R}, {c.U}, {int(norm)}{', 1' if prefetch else ''}>"
 
     def bind_pair_experts(self, up: "Linear", x, O, eid, pairs: int, xdiv: int, limit=None, R: int | None = None,
-                          norm_weight=None, eps: float = 0.0):
+                          norm_weight=None, eps: float = 0.0, prefetch: "Linear | None" = None):
         """The MoE form's gate (this Linear) and up and the SwiGLU after them in one launch: for each pair
         p < pairs, O[p] = silu(W_gate[eid[p]] x[p // xdiv]) * (W_up[eid[p]] x[p // xdiv]) (limit: the clamp of
         the swiglu op). The thread count of launch_experts, so O is its two launches and the swiglu op's
         values bit for bit. norm_weight (float32 [inn]): x is the input of an RMSNorm of that weight and eps,
         folded in (Group(norm=True)'s arithmetic: to float32 rounding of the norm's launch, not bit for bit).
-        GGML NVFP4 experts of one shape only (pair_experts_supported). Returns the launch."""
+        prefetch (the stacked down Linear after it): each pair's CTAs also bring its expert's down matrix into
+        the L2 for the combine launch (values unchanged). GGML NVFP4 experts of one shape only
+        (pair_experts_supported). Returns the launch."""
         why = pair_experts_supported(self, up)
         if why:
             raise ValueError(f"gemv.Linear.bind_pair_experts: {why}")
@@ -649,11 +651,15 @@ class Linear:
                              f"{self.inn} inputs")
         c = self.config or default_config(self.kind, self.out, self.inn, 1)
         R = R or PAIR_E_R
-        name, i32 = self.pair_experts_name(R, norm_weight is not None), cp.int32
+        if prefetch is not None and (prefetch.kind != "nvfp4_ggml" or prefetch.experts != self.experts):
+            raise ValueError(f"gemv.Linear.bind_pair_experts: prefetch of {prefetch.kind} {prefetch.experts}x experts "
+                             f"after {self.experts} GGML NVFP4 experts")
+        name, i32 = self.pair_experts_name(R, norm_weight is not None, prefetch is not None), cp.int32
         grid = (math.ceil(self.out / R), int(pairs))
         args = (self.w, up.w, self.sc, up.sc, O, i32(self.out), x, i32(self.inn), i32(xdiv), eid, i32(self.experts),
                 np.int64(self.wst), np.int64(self.scst), i32(limit is not None), np.float32(limit or 0.0),
-                x if norm_weight is None else norm_weight, np.float32(eps))
+                x if norm_weight is None else norm_weight, np.float32(eps),
+                self.w if prefetch is None else prefetch.w, np.int64(0 if prefetch is None else prefetch.wst))
         return lazy_launch(name, self.defines, grid, (c.T,), args)
 
     def combine_experts_name(self, cfg: "Config | None" = None) -> str:

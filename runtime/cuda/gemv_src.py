@@ -744,15 +744,18 @@ __global__ void gemv_q8_0_pair(const u8 *__restrict__ W0, const u8 *__restrict__
 // bit for bit, at the same thread count. Launched without PDL (as the other expert forms): with it the
 // decode step was slower (docs/kernels.md), and the expert ids it reads first are the kernel before's.
 // NORM 1: x is the input of the RMSNorm (weight nw) before the experts, folded in as the grouped kernels
-// fold it (each half sums its x row's squares; the norm's values to float32 rounding, not bit for bit). ----
-template <int R, int U, int NORM = 0>
+// fold it (each half sums its x row's squares; the norm's values to float32 rounding, not bit for bit).
+// PF 1: the CTAs of pair p also bring expert e's down matrix (Wd + e * wdst, wdst bytes) into the L2, each
+// its share, for the combine launch after (lever BLOOMERY_MOE_PREFETCH; the values are unchanged). ----
+template <int R, int U, int NORM = 0, int PF = 0>
 __global__ void gemv_nvfp4_ggml_pair_e(const u8 *__restrict__ W0, const u8 *__restrict__ W1, const float *__restrict__ sc0,
                                        const float *__restrict__ sc1, float *__restrict__ O, int out,
                                        const float *__restrict__ x, int in, int xdiv, const int *__restrict__ eid, int ne,
                                        long long wst, long long scst, int lim, float L,
-                                       const float *__restrict__ nw, float eps) {
+                                       const float *__restrict__ nw, float eps, const u8 *__restrict__ Wd, long long wdst) {
   __shared__ float gu[2][R];
   const int e = expert_of(eid, ne), p = blockIdx.y;
+  if constexpr (PF) l2_prefetch_share(Wd + e * wdst, wdst, blockIdx.x, gridDim.x);
   const float *xp = x + (size_t)(p / xdiv) * in;
   float *Op = O + (size_t)p * out;
   gemv_nvfp4_ggml_body<R, 1, U, NORM>(W0 + e * wst, sc0 + e * scst, xp, Op, out, in, 1, 0, blockIdx.x, nw, eps, gu[0]);

@@ -117,3 +117,14 @@ template <int CT> __device__ __forceinline__ Raw4<CT> raw4(const void *p, size_t
   else r.w = *reinterpret_cast<const uint2 *>(reinterpret_cast<const unsigned short *>(p) + i);
   return r;
 }
+
+// ---- L2 prefetch of a later kernel's bytes ----
+// a byte range shared out over `parts` cooperating CTAs (part: this CTA's index among them): each thread
+// issues prefetch.global.L2 for some of the CTA's 128-byte lines; no register is written and nothing waits
+// for it, so a kernel that waits on latency brings the next kernel's weights into the L2 meanwhile
+__device__ __forceinline__ void l2_prefetch_share(const void *base, long long bytes, int part, int parts) {
+  const int lines = (int)((bytes + 127) >> 7), per = (lines + parts - 1) / parts;   // a range below 256 GB
+  const int l0 = part * per, l1 = min(lines, l0 + per);
+  for (int l = l0 + (int)threadIdx.x; l < l1; l += blockDim.x)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char *>(base) + ((size_t)l << 7)));
+}
