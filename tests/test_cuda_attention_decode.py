@@ -62,10 +62,11 @@ def test_attention_decode_matches_float64(H, KV, D, sms):
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
     # the launch variants (8 warps a CTA, the P.V loop unrolled): the same FMAs in the same order, so the same bits
-    for warps, pvu in ((4, 8), (8, 0), (8, 8)):
+    # and with the next linear's weights prefetched into the L2 (here: some 1.6 MB array)
+    for warps, pvu, pf in ((4, 8, None), (8, 0, None), (8, 8, None), (4, 0, d["ck"])):
         other = cp.full((rows, H * D), cp.nan, cp.float32)
         AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], other, rows, H, KV, D, scale, take, sms=sms,
-                warps=warps, pv_unroll=pvu)()
+                warps=warps, pv_unroll=pvu, prefetch=pf)()
         assert (cp.asnumpy(other) == got).all(), f"{warps} warps, P.V unrolled by {pvu}: not the 4-warp kernel's bits"
 
 
@@ -117,12 +118,10 @@ def test_attention_decode_tensor_cores_match_float64(H, KV, D, cache, sms):
     step()
     assert (cp.asnumpy(out) == got).all(), "two launches differ: the merge is not deterministic"
     assert not any(cp.asnumpy(v).any() for (k, _), v in pool.items() if k.endswith(".sem")), "counters not left at 0"
-    # the launch variants (8 warps a CTA, the P.V loop unrolled): the same FMAs in the same order, so the same bits
-    for warps, pvu in ((4, 8), (8, 0), (8, 8)):
-        other = cp.full((rows, H * D), cp.nan, cp.float32)
-        AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], other, rows, H, KV, D, scale, take, sms=sms,
-                warps=warps, pv_unroll=pvu)()
-        assert (cp.asnumpy(other) == got).all(), f"{warps} warps, P.V unrolled by {pvu}: not the 4-warp kernel's bits"
+    other = cp.full(out.shape, cp.nan, cp.float32)      # the next linear's weights prefetched meanwhile: the same bits
+    AD.bind(d["q"], d["ck"], d["cv"], d["pos"], d["slot"], other, rows, H, KV, D, scale, take, sms=sms,
+            cache=cache, tc=True, prefetch=d["cv"])()
+    assert (cp.asnumpy(other) == got).all(), "the prefetching launch changed the values"
     S = AD.splits(KV, rows, ctx, sms, tc=True)       # split: several; one-split: one; rule: <= one CTA a multiprocessor
     assert S > 1 if sms == 1056 else S == 1 if sms == 1 else KV * rows * S <= max(sms, KV * rows)
 

@@ -273,19 +273,26 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
-def test_moe_prefetch_changes_no_value(monkeypatch):
-    """BLOOMERY_MOE_PREFETCH on: the paired experts' launch also brings the down matrices into the L2; the
-    logits of prompt chunks and decode steps of three slots are those with it off, bit for bit."""
+@pytest.mark.parametrize("lever,name", [("BLOOMERY_MOE_PREFETCH", "tiny-qwen3_moe/nvfp4"),
+                                         ("BLOOMERY_ATTN_PREFETCH", "tiny-qwen3/nvfp4"),
+                                         ("BLOOMERY_ATTN_PREFETCH", "tiny-llama/fp8")])
+def test_prefetch_levers_change_no_value(lever, name, monkeypatch):
+    """BLOOMERY_MOE_PREFETCH on (the paired experts' launch also brings the down matrices into the L2) and
+    BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's weights): the logits of prompt
+    chunks and decode steps of three slots are those with the lever off, bit for bit; the prefetch is bound."""
     import numpy as np
-    art = artifact("tiny-qwen3_moe/nvfp4")
+    art = artifact(name)
     rng = np.random.default_rng(13)
     prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
     runs = {}
     for mode in ("on", "off"):
-        monkeypatch.setenv("BLOOMERY_MOE_PREFETCH", mode)
+        monkeypatch.setenv(lever, mode)
         e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
-        names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
-        assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)   # <R, U, NORM[, 1]>
+        if lever == "BLOOMERY_MOE_PREFETCH":
+            names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
+            assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)  # <R, U, NORM[, 1]>
+        else:
+            assert bool(e.exec.prefetching) == (mode == "on"), e.exec.prefetching
         logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
         toks = [int(np.argmax(lg[-1])) for lg in logits]
         for _ in range(6):

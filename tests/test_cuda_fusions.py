@@ -268,3 +268,17 @@ def test_router_runs_in_one_launch_where_it_can(name):
             assert routers, (name, prog)
     off = executor(name, moe_router="two")[0]
     assert not any(off._router_fused(o, 1, "decode") for o in plan["programs"]["decode"]["ops"] if o["op"] == "moe_router")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_attention_prefetches_the_o_projection(name):
+    """BLOOMERY_ATTN_PREFETCH: each decode attention of a family's plan is followed by its layer's o projection,
+    which is what its launch prefetches (executor.linears_after_attention); families whose attention is another
+    op (MLA) or is followed by a gate have none, and nothing else is named."""
+    _, plan = executor(name)
+    ops = plan["programs"]["decode"]["ops"]
+    got = X.linears_after_attention(ops)
+    attn = [j for j, o in enumerate(ops) if o["op"] == "attention"]
+    assert set(got) <= set(attn) and all(ops[j + 1]["weight"] == w and w.endswith(".attn_output") for j, w in got.items()), got
+    if name.startswith(("tiny-llama/", "tiny-qwen3/", "tiny-qwen3_moe/")):
+        assert sorted(got) == attn and attn, (name, attn, got)

@@ -39,6 +39,15 @@ template <int CT> __device__ __forceinline__ float4 decode4(const Raw4<CT> &r) {
 // read-only path).
 __device__ __forceinline__ void grid_dep_entry() { grid_dep_launch(); grid_dep_wait(); }
 
+// pfb bytes from pf (the weights of the linear after the attention; lever BLOOMERY_ATTN_PREFETCH) into the L2,
+// each CTA of the grid its share, before anything else: a short context's launch waits on latency, and what
+// no kernel writes may be read before the kernel before has finished. pfb 0: nothing.
+__device__ __forceinline__ void prefetch_next(const void *pf, long long pfb) {
+  if (pfb > 0)
+    l2_prefetch_share(pf, pfb, (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
+                      gridDim.x * gridDim.y * gridDim.z);
+}
+
 // The last CTA of a (kv head, row) to arrive merges the S splits' (max, sum, acc) in `part` in split order
 // (deterministic) into o, the G heads' outputs; every CTA has written its split before it calls this. scr: cap
 // floats of the CTA's shared memory, free by then. Where 2 G S + G fit, the merge runs in three passes: every
@@ -112,7 +121,8 @@ __device__ __forceinline__ void merge_splits(const float *part, int *sem, float 
 template <int DPL, int HPW, int CK = 0, int CV = 0, int NW = 4, int PVU = 0>
 __global__ void __launch_bounds__(32 * NW) attention_decode_k(const float *q, const void *ck, const void *cv, const int *pos,
     const int *slot, float *__restrict__ out, float *__restrict__ part, int *__restrict__ sem, int H, int KV, int D,
-    int ctx, float scale) {
+    int ctx, float scale, const void *__restrict__ pf, long long pfb) {
+  prefetch_next(pf, pfb);
   grid_dep_entry();
   extern __shared__ float sh[];
   const int kvh = blockIdx.x, r = blockIdx.y, s = blockIdx.z, S = gridDim.z;
@@ -309,11 +319,12 @@ template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.as
 template <int D, int ST, int CK, int CV>
 __global__ void __launch_bounds__(128) attention_decode_tc(const float *q, const void *ck, const void *cv, const int *pos,
     const int *slot, float *__restrict__ out, float *__restrict__ part, int *__restrict__ sem, int H, int KV, int ctx,
-    float scale) {
+    float scale, const void *__restrict__ pf, long long pfb) {
   static_assert(D % 16 == 0 && D <= 128, "head_dim");
   constexpr int NQ = Parts<CK>::n, NP = Parts<CV>::n, AQ = (NQ + 1) / 2, AP = (NP + 1) / 2;
   constexpr int RS = D + 8;                           // a staged row: D 16-bit values + 16 bytes (ldmatrix: no conflicts)
   constexpr int NT = D / 8;                           // n-tiles of the output
+  prefetch_next(pf, pfb);
   grid_dep_entry();
   extern __shared__ __align__(16) unsigned short sm[];
   unsigned short *Qs = sm;                            // [AQ][16][RS]

@@ -95,13 +95,15 @@ def kernel_name(G: int, D: int, cache=(0, 0), warps: int | None = None, pv_unrol
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
          split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False,
-         tc: bool | None = None, stages: int = TC_STAGES, warps: int | None = None, pv_unroll: int | None = None):
+         tc: bool | None = None, stages: int = TC_STAGES, warps: int | None = None, pv_unroll: int | None = None,
+         prefetch=None):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
     cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES);
     pdl: launched with programmatic dependent launch (runtime/cuda/pdl.py); tc: the tensor-core form
     (None: wherever tc_supports allows it; True: it or an error; False: the float32 FMA form);
-    stages: the tensor-core form's chunks in flight a warp; warps, pv_unroll: the FMA form's (kernel_name)."""
+    stages: the tensor-core form's chunks in flight a warp; warps, pv_unroll: the FMA form's (kernel_name);
+    prefetch: a device array (the next linear's weights) the launch brings into the L2 meanwhile."""
     why = supports(H, KV, D)
     if why:
         raise ValueError(f"attention_decode: {why}")
@@ -121,10 +123,11 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
         kern.max_dynamic_shared_size_bytes = smem
     part = pool("attention_decode.part", (rows * H * S * (D + 2) if S > 1 else 1,))   # S == 1: unused
     sem = pool("attention_decode.sem", (rows * KV,), np.int32)
+    pf = (q, np.int64(0)) if prefetch is None else (prefetch, np.int64(prefetch.nbytes))
     if use_tc:
-        args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(ctx), np.float32(scale))
+        args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(ctx), np.float32(scale), *pf)
     else:
         args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
-                np.float32(scale))
+                np.float32(scale), *pf)
     go = PDL.launcher(pdl)
     return lambda: go(kern, (KV, rows, S), (threads,), args, shared_mem=smem)

@@ -278,6 +278,12 @@ class _HostOps:
         self.runs += 1
 
 
+def linears_after_attention(ops) -> dict:
+    """{index of an attention op: the weight of the linear right after it} (the o projection, whose weights
+    the attention's launch may bring into the L2: BLOOMERY_ATTN_PREFETCH)."""
+    return {j: b["weight"] for j, (a, b) in enumerate(zip(ops, ops[1:])) if a["op"] == "attention" and b["op"] == "linear"}
+
+
 class CudaExecutor:
     def __init__(self, plans: list[dict], art, symbols: dict[str, int], graphs: bool | None = None,
                  rank: int = 0, collectives=None, cache_types=("f32", "f32")):
@@ -345,6 +351,8 @@ class CudaExecutor:
         self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in self.progs}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
         self._need_names: list = []      # and GEMV kernels named as they are
+        self._after_attention: dict = {}  # the program being bound: attention op -> the linear after it (_bind)
+        self.prefetching: list = []      # the weights decode attention launches prefetch (BLOOMERY_ATTN_PREFETCH)
         self._pooled: dict = {}          # scratch shared by ops (_pool)
         self.keeper = None               # the verify graphs' last launch (verify_keep.py)
         self.finputs: dict = {}          # per program: float32 input name -> (device, pinned memory, host view)
@@ -419,6 +427,7 @@ class CudaExecutor:
         self.moe_decode = levers.value("BLOOMERY_MOE_DECODE", os.environ)
         self.moe_router = levers.value("BLOOMERY_MOE_ROUTER", os.environ)
         self.moe_prefetch = levers.value("BLOOMERY_MOE_PREFETCH", os.environ)
+        self.attn_prefetch = levers.value("BLOOMERY_ATTN_PREFETCH", os.environ)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -431,6 +440,9 @@ class CudaExecutor:
         ops = self.plan["programs"][prog]["ops"]
         steps: list = []
         tags: list = []
+        # the linear right after each decode attention, whose weights that launch may prefetch into the L2
+        self._after_attention = {id(ops[j]): w for j, w in linears_after_attention(ops).items()} \
+            if prog == "decode" and self.attn_prefetch == "on" else {}
         i = 0
         while i < len(ops):
             op = ops[i]
@@ -917,9 +929,13 @@ class CudaExecutor:
                 cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         elif sel is None and self.attn_mode in ("split", "split-fma") and AD.supports(H, KV, D) is None:
+            nxt = self._after_attention.get(id(op))        # BLOOMERY_ATTN_PREFETCH: the o projection's weights
+            if nxt is not None:
+                self.prefetching.append(nxt)
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
                              split_rows=1 if prog == "verify" else None, cache=codes, pdl=self.pdl_all,
-                             tc=False if self.attn_mode == "split-fma" else None)
+                             tc=False if self.attn_mode == "split-fma" else None,
+                             prefetch=None if nxt is None else self.w.linear(nxt).w)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
