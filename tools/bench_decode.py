@@ -5,6 +5,8 @@ same run and against Hugging Face transformers (torch, bf16) on the same shape.
     python -m bloomery.tools.bench_decode [--shapes smollm2-135m llama3-8b] [--steps 256]
         [--peer] [--work DIR] [--ckpt-dir DIR] [--out DIR] [--layers shape=N ...] [--prepare-only]
     python -m bloomery.tools.bench_decode --traffic --shapes qwen3-next-80b-a3b glm-4.5-air   # no GPU
+    python -m bloomery.tools.bench_decode --shapes qwen3-30b-a3b --layers qwen3-30b-a3b=16 --steps 64 --prefill \
+        --ab BLOOMERY_MOE_PREFETCH=off,on BLOOMERY_MOE_ROUTER=two,fused     # a lever's values, alternating
     python -m bloomery.tools.bench_decode --shapes qwen4-exp glm5-next --layers qwen4-exp=8 glm5-next=8 \
         --ple-rows 1048576 --ckpt-dir /dev/shm        # the flagships: n-gram tables capped (synthetic.py)
 
@@ -29,6 +31,10 @@ compiled loop with the decoder linears in gpt-fast's int4 (tools/peer_int4.py: t
 _weight_int4pack_mm, groups of 128, about the weight bytes of NVFP4; --no-int4 skips it); skipped, with
 the reason, where its bf16 weights do not fit in the GPU's free memory (Qwen3-Next-80B's 159 GB and
 GLM-4.5-Air's 214 GB at full depth: give --layers).
+--ab LEVER=A,B ...: after the shape's run, the 1-slot decode step again at each value of each lever (the
+others as the environment sets them), alternating A B then B A for --ab-rounds rounds, on the same artifact in
+the same process: a table of the graph (replayed alone) and tok/s per value, and the first value's graph over
+each one's (the comparison of a change with the code before it, in one device call).
 Disk: the checkpoint and the artifact are about the same size and coexist during prepare; the run
 refuses before writing when --work (and --ckpt-dir) lack the room, naming the most layers that fit.
 --ckpt-dir /dev/shm puts the checkpoint in memory (a tmpfs), leaving the disk to the artifact. The
@@ -316,6 +322,54 @@ def bench_cuda(art: Path, steps: int, prompt_len: int = PROMPT_LEN) -> dict:
             "plan_states": plan_states(ex.plan, ex.symbols)}
 
 
+def parse_ab(specs) -> dict:
+    """--ab's LEVER=A,B,... into {lever: [values]}, each lever of specs/levers.yaml and each value one it takes."""
+    from bloomery.core import levers
+    out = {}
+    for spec in specs:
+        name, _, vals = spec.partition("=")
+        values = [v for v in vals.split(",") if v]
+        if not name or len(values) < 2:
+            raise ValueError(f"--ab {spec!r}: LEVER=A,B (two values at least)")
+        try:
+            levers.get(name)
+        except KeyError:
+            raise ValueError(f"--ab {spec!r}: no lever {name} (bloomery levers lists them)") from None
+        for v in values:
+            try:
+                levers.value(name, {name: v})
+            except Exception as e:                 # BadLeverValue: names the lever's values
+                raise ValueError(f"--ab {spec!r}: {e}") from None
+        out[name] = values
+    return out
+
+
+def run_ab(art: Path, steps: int, ab: dict, rounds: int, free) -> dict:
+    """bench_cuda at each value of each lever, alternating (round i: the values in order, reversed when i is
+    odd), the environment put back after: {lever: {value: [bench_cuda's result, a round each]}}."""
+    import os
+    out = {}
+    for lever, values in ab.items():
+        before = os.environ.get(lever)
+        runs = {v: [] for v in values}
+        try:
+            for i in range(rounds):
+                for v in (values if i % 2 == 0 else values[::-1]):
+                    os.environ[lever] = v
+                    q = bench_cuda(art, steps)
+                    runs[v].append({k: q[k] for k in ("replay_s", "s_per_tok", "kernels", "bytes_per_tok")})
+                    log(f"  {lever}={v} round {i + 1}: graph {1e3 * (q['replay_s'] or 0):.3f} ms, "
+                        f"{1 / q['s_per_tok']:.1f} tok/s, {q['kernels']} launches")
+                    free()
+        finally:
+            if before is None:
+                os.environ.pop(lever, None)
+            else:
+                os.environ[lever] = before
+        out[lever] = runs
+    return out
+
+
 def bench_slots(art: Path, slots: int, context: int, steps: int = 32, cache: str = "f32") -> dict:
     """Decode steps of `slots` rows, every slot holding `context` keys first (random ids prefilled):
     aggregate tok/s over `steps` greedy steps (the host's round trip included), the decode graph
@@ -570,8 +624,16 @@ def main(argv=None) -> int:
                     help="how the weights reach the GPU (lever BLOOMERY_UPLOAD; to compare the two)")
     ap.add_argument("--verify", type=int, default=0, metavar="K",
                     help="also time the verify graphs of 1..K+1 rows against the 1-row decode step (speculative decoding)")
+    ap.add_argument("--ab", nargs="*", default=[], metavar="LEVER=A,B",
+                    help="also time the 1-slot decode step at each of a lever's values, alternating (A B B A ...), "
+                         "in this process on the same artifact: e.g. BLOOMERY_MOE_PREFETCH=off,on; a table last")
+    ap.add_argument("--ab-rounds", type=int, default=2, help="--ab: rounds of every value (the order reversed each round)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    try:
+        ab = parse_ab(a.ab)
+    except ValueError as e:
+        ap.error(str(e))
     if a.upload:
         import os
         os.environ["BLOOMERY_UPLOAD"] = a.upload
@@ -641,6 +703,9 @@ def main(argv=None) -> int:
                 rows.append(r)
                 continue
             r.update(bench_cuda(art, a.steps))
+            if ab:
+                free_gpu()
+                r["ab"] = run_ab(art, a.steps, ab, a.ab_rounds, free_gpu)
             if a.verify:
                 free_gpu()
                 r["verify"] = bench_verify(art, a.verify, a.slot_context)
@@ -745,6 +810,22 @@ def main(argv=None) -> int:
                 f"{1e6 * h['s_per_tok']:.1f} us a token ({100 * h['s_per_tok'] / r['s_per_tok']:.1f}% of the step), "
                 f"{h['h2d_bytes_per_tok'] / 1e3:.1f} KB copied to the device a token (tables read into the page "
                 f"cache first, {h['warm_tables_s']:.1f} s)")
+    for r in rows:
+        if r.get("ab"):
+            log(f"  {r['shape']}: levers alternated in this process (1 slot; graph: the decode graph replayed alone, "
+                f"ms a token; x: the first value's median graph over this one's):")
+            log("  | lever | value | graph ms (each round) | median graph ms | tok/s (median) | launches | x graph |")
+            log("  |---|---|---|---|---|---|---|")
+            for lever, runs in r["ab"].items():
+                first = None
+                for value, rs in runs.items():
+                    gs = [q["replay_s"] or q["s_per_tok"] for q in rs]       # no graph: the step's wall time
+                    g = float(np.median(gs))
+                    first = first or g
+                    each = " / ".join(f"{1e3 * x:.3f}" for x in gs)
+                    tok_s = float(np.median([1 / q["s_per_tok"] for q in rs]))
+                    log(f"  | {lever} | {value} | {each} | {1e3 * g:.3f} | {tok_s:.1f} | {rs[0]['kernels']} | "
+                        f"{first / g:.3f} |")
     log()
     log("bytes a decode step moves (the model's count, MB: tools/bench_decode.decode_traffic):")
     for r in rows:
