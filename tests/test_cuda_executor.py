@@ -273,26 +273,32 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.models
-@pytest.mark.parametrize("lever,name", [("BLOOMERY_MOE_PREFETCH", "tiny-qwen3_moe/nvfp4"),
-                                         ("BLOOMERY_ATTN_PREFETCH", "tiny-qwen3/nvfp4"),
-                                         ("BLOOMERY_ATTN_PREFETCH", "tiny-llama/fp8")])
-def test_prefetch_levers_change_no_value(lever, name, monkeypatch):
-    """BLOOMERY_MOE_PREFETCH on (the paired experts' launch also brings the down matrices into the L2) and
-    BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's weights): the logits of prompt
-    chunks and decode steps of three slots are those with the lever off, bit for bit; the prefetch is bound."""
+@pytest.mark.parametrize("lever,on,name", [("BLOOMERY_MOE_PREFETCH", "on", "tiny-qwen3_moe/nvfp4"),
+                                            ("BLOOMERY_ATTN_PREFETCH", "on", "tiny-qwen3/nvfp4"),
+                                            ("BLOOMERY_ATTN_PREFETCH", "on", "tiny-llama/fp8"),
+                                            ("BLOOMERY_ATTN_WARPS", "8-u8", "tiny-qwen3_moe/nvfp4"),
+                                            ("BLOOMERY_ATTN_WARPS", "8", "tiny-llama/nvfp4")])
+def test_value_neutral_levers_change_no_value(lever, on, name, monkeypatch):
+    """Levers that change no arithmetic: BLOOMERY_MOE_PREFETCH on (the paired experts' launch also brings the
+    down matrices into the L2), BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's
+    weights), BLOOMERY_ATTN_WARPS (the FMA attention's launch shape): the logits of prompt chunks and decode
+    steps of three slots are those at the lever's default, bit for bit; the setting is bound."""
     import numpy as np
+    from bloomery.core import levers
     art = artifact(name)
     rng = np.random.default_rng(13)
     prompts = [[int(i) for i in rng.integers(0, 200, 5 + 7 * s)] for s in range(3)]
     runs = {}
-    for mode in ("on", "off"):
+    for mode in (on, levers.get(lever).default):
         monkeypatch.setenv(lever, mode)
         e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
         if lever == "BLOOMERY_MOE_PREFETCH":
             names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
             assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)  # <R, U, NORM[, 1]>
-        else:
+        elif lever == "BLOOMERY_ATTN_PREFETCH":
             assert bool(e.exec.prefetching) == (mode == "on"), e.exec.prefetching
+        else:
+            assert (e.exec.attn_warps, e.exec.attn_pv_unroll) == (int(mode[0]), 8 if mode.endswith("-u8") else 0)
         logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
         toks = [int(np.argmax(lg[-1])) for lg in logits]
         for _ in range(6):
@@ -300,7 +306,8 @@ def test_prefetch_levers_change_no_value(lever, name, monkeypatch):
             logits.append(np.asarray(lg))
             toks = [int(t) for t in nt]
         runs[mode] = logits
-    assert all(np.array_equal(a, b) for a, b in zip(runs["on"], runs["off"]))
+    a, b = runs.values()
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @needs_gpu

@@ -428,6 +428,8 @@ class CudaExecutor:
         self.moe_router = levers.value("BLOOMERY_MOE_ROUTER", os.environ)
         self.moe_prefetch = levers.value("BLOOMERY_MOE_PREFETCH", os.environ)
         self.attn_prefetch = levers.value("BLOOMERY_ATTN_PREFETCH", os.environ)
+        w, _, u = levers.value("BLOOMERY_ATTN_WARPS", os.environ).partition("-u")
+        self.attn_warps, self.attn_pv_unroll = int(w), int(u or 0)     # the FMA form's launch (attention_decode)
         self.pdl_all = PDL.mode() == "on"    # lever BLOOMERY_PDL: rope + cache write and attention too
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -935,7 +937,8 @@ class CudaExecutor:
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
                              split_rows=1 if prog == "verify" else None, cache=codes, pdl=self.pdl_all,
                              tc=False if self.attn_mode == "split-fma" else None,
-                             prefetch=None if nxt is None else self.w.linear(nxt).w)
+                             prefetch=None if nxt is None else self.w.linear(nxt).w,
+                             warps=self.attn_warps, pv_unroll=self.attn_pv_unroll)
         else:
             aargs = (q, ck, cv, pos, slot, out, np.int32(H), np.int32(KV), np.int32(D), np.int32(ctx),
                      np.float32(op["scale"]))
