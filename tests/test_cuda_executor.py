@@ -280,7 +280,7 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
                                             ("BLOOMERY_ATTN_WARPS", "8", "tiny-llama/nvfp4")])
 def test_value_neutral_levers_change_no_value(lever, on, name, monkeypatch):
     """Levers that change no arithmetic: BLOOMERY_MOE_PREFETCH on (the paired experts' launch also brings the
-    down matrices into the L2), BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's
+    down matrices into the L2, the combine the next layer's q, k and v), BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's
     weights), BLOOMERY_ATTN_WARPS (the FMA attention's launch shape): the logits of prompt chunks and decode
     steps of three slots are those at the lever's default, bit for bit; the setting is bound."""
     import numpy as np
@@ -295,6 +295,7 @@ def test_value_neutral_levers_change_no_value(lever, on, name, monkeypatch):
         if lever == "BLOOMERY_MOE_PREFETCH":
             names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
             assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)  # <R, U, NORM[, 1]>
+            assert any(w.endswith(".attn_q") for w in e.exec.prefetching) == (mode == "on"), e.exec.prefetching
         elif lever == "BLOOMERY_ATTN_PREFETCH":
             assert bool(e.exec.prefetching) == (mode == "on"), e.exec.prefetching
         else:

@@ -271,14 +271,27 @@ def test_router_runs_in_one_launch_where_it_can(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_attention_prefetches_the_o_projection(name):
-    """BLOOMERY_ATTN_PREFETCH: each decode attention of a family's plan is followed by its layer's o projection,
-    which is what its launch prefetches (executor.linears_after_attention); families whose attention is another
-    op (MLA) or is followed by a gate have none, and nothing else is named."""
+def test_prefetches_name_the_next_linears(name):
+    """BLOOMERY_ATTN_PREFETCH / BLOOMERY_MOE_PREFETCH (executor.prefetch_plan): each decode attention prefetches
+    its layer's o projection, each layer's experts the next layer's q, k and v (the last layer's: nothing, the
+    head comes next); nothing else is named, and nothing with both levers off."""
+    import re
     _, plan = executor(name)
     ops = plan["programs"]["decode"]["ops"]
-    got = X.linears_after_attention(ops)
+    got = X.prefetch_plan(ops, True, True)
+    assert X.prefetch_plan(ops, False, False) == {}
     attn = [j for j, o in enumerate(ops) if o["op"] == "attention"]
-    assert set(got) <= set(attn) and all(ops[j + 1]["weight"] == w and w.endswith(".attn_output") for j, w in got.items()), got
+    exps = [j for j, o in enumerate(ops) if o["op"] == "moe_experts"]
+    assert set(got) <= set(attn) | set(exps), got
+    for j in attn:
+        if j in got:
+            assert got[j] == [ops[j + 1]["weight"]] and got[j][0].endswith(".attn_output"), (j, got[j])
     if name.startswith(("tiny-llama/", "tiny-qwen3/", "tiny-qwen3_moe/")):
-        assert sorted(got) == attn and attn, (name, attn, got)
+        assert attn and all(j in got for j in attn), (name, attn, got)
+    if name.startswith("tiny-qwen3_moe/"):
+        layer = lambda j: int(re.match(r"blk\.(\d+)\.", ops[j]["gate"]).group(1))      # noqa: E731
+        assert exps and exps[-1] not in got, got
+        for j in exps[:-1]:
+            n = layer(j) + 1
+            assert got[j] == [f"blk.{n}.attn_q", f"blk.{n}.attn_k", f"blk.{n}.attn_v"], (j, got[j])
+    assert set(X.prefetch_plan(ops, True, False)) == set(got) & set(attn)

@@ -281,6 +281,13 @@ def test_combine_experts_against_float64(add):
         down.bind_combine_experts(cp.asarray(d[r * k:(r + 1) * k]), cp.asarray(w[r:r + 1]), one,
                                   cp.asarray(ids[r * k:(r + 1) * k]), 1, k, add=add)()
         assert cp.array_equal(one[0], y[r]), f"row {r} differs from itself launched alone"
+    # with the next linears' weights brought into the L2 by the same launch (BLOOMERY_MOE_PREFETCH): the same bits
+    y2 = cp.asarray(res) if add else cp.full((rows, hidden), cp.nan, cp.float32)
+    down.bind_combine_experts(cp.asarray(d), cp.asarray(w), y2, cp.asarray(ids), rows, k, add=add,
+                              prefetch=[down.w, down.sc, cp.zeros(3 << 20, cp.uint8)])()
+    assert cp.array_equal(y2, y), "the prefetching launch changed the values"
+    with pytest.raises(ValueError, match="at most 3"):
+        down.bind_combine_experts(cp.asarray(d), cp.asarray(w), y2, cp.asarray(ids), rows, k, prefetch=[down.w] * 4)
 
 
 def test_combine_experts_refuses_what_it_does_not_take():

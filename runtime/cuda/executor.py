@@ -278,10 +278,26 @@ class _HostOps:
         self.runs += 1
 
 
-def linears_after_attention(ops) -> dict:
-    """{index of an attention op: the weight of the linear right after it} (the o projection, whose weights
-    the attention's launch may bring into the L2: BLOOMERY_ATTN_PREFETCH)."""
-    return {j: b["weight"] for j, (a, b) in enumerate(zip(ops, ops[1:])) if a["op"] == "attention" and b["op"] == "linear"}
+def linears_after(ops, j: int) -> list:
+    """The weights of the linears that come next after op j: past any add and rmsnorm ops, the run of linear
+    ops (after an attention: its o projection; after a layer's experts: the next layer's q, k and v)."""
+    i = j + 1
+    while i < len(ops) and ops[i]["op"] in ("add", "rmsnorm"):
+        i += 1
+    out = []
+    while i < len(ops) and ops[i]["op"] == "linear":
+        out.append(ops[i]["weight"])
+        i += 1
+    return out
+
+
+def prefetch_plan(ops, attention: bool, experts: bool) -> dict:
+    """{index of an op: the weights of the linears after it} for the launches that bring the next linears'
+    weights into the L2 while they wait on latency: decode attention (BLOOMERY_ATTN_PREFETCH, its o
+    projection) and the experts' combine (BLOOMERY_MOE_PREFETCH, the next layer's first linears)."""
+    kinds = {"attention"} if attention else set()
+    kinds |= {"moe_experts"} if experts else set()
+    return {j: w for j, o in enumerate(ops) if o["op"] in kinds and (w := linears_after(ops, j))}
 
 
 class CudaExecutor:
@@ -351,8 +367,8 @@ class CudaExecutor:
         self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in self.progs}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
         self._need_names: list = []      # and GEMV kernels named as they are
-        self._after_attention: dict = {}  # the program being bound: attention op -> the linear after it (_bind)
-        self.prefetching: list = []      # the weights decode attention launches prefetch (BLOOMERY_ATTN_PREFETCH)
+        self._after: dict = {}           # the program being bound: op -> the linears after it it prefetches (_bind)
+        self.prefetching: list = []      # the weights decode launches prefetch (BLOOMERY_ATTN_ / MOE_PREFETCH)
         self._pooled: dict = {}          # scratch shared by ops (_pool)
         self.keeper = None               # the verify graphs' last launch (verify_keep.py)
         self.finputs: dict = {}          # per program: float32 input name -> (device, pinned memory, host view)
@@ -443,8 +459,9 @@ class CudaExecutor:
         steps: list = []
         tags: list = []
         # the linear right after each decode attention, whose weights that launch may prefetch into the L2
-        self._after_attention = {id(ops[j]): w for j, w in linears_after_attention(ops).items()} \
-            if prog == "decode" and self.attn_prefetch == "on" else {}
+        self._after = {id(ops[j]): w for j, w in prefetch_plan(ops, self.attn_prefetch == "on",
+                                                                self.moe_prefetch == "on").items()} \
+            if prog == "decode" else {}
         i = 0
         while i < len(ops):
             op = ops[i]
@@ -931,7 +948,7 @@ class CudaExecutor:
                 cargs = cargs[:5] + sel[1:] + cargs[5:]
             attend = lambda: kc((KV, -(-rows // rb)), (256,), cargs, shared_mem=csmem)   # noqa: E731
         elif sel is None and self.attn_mode in ("split", "split-fma") and AD.supports(H, KV, D) is None:
-            nxt = self._after_attention.get(id(op))        # BLOOMERY_ATTN_PREFETCH: the o projection's weights
+            nxt = self._after.get(id(op), [None])[0]      # BLOOMERY_ATTN_PREFETCH: the o projection's weights
             if nxt is not None:
                 self.prefetching.append(nxt)
             attend = AD.bind(q, ck, cv, pos, slot, out, rows, H, KV, D, float(op["scale"]), self._pool, self.sms,
@@ -1070,7 +1087,10 @@ class CudaExecutor:
             nx, nw, eps = (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
             steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps,
                                                 prefetch=pf))
-            steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None))
+            nxt = self._after.get(id(op), []) if pf is not None else []     # the next layer's first linears
+            self.prefetching += nxt
+            steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None,
+                                                   prefetch=[self.w.linear(n).w for n in nxt]))
         else:
             self._need += [(gate, None, False), (up, None, False), (down, None, False)]
             xg, dg = scaled("gate", x, x.shape[-1], k)

@@ -666,21 +666,27 @@ class Linear:
         c = cfg or EC_CONFIG
         return f"gemv_nvfp4_ggml_ec<{c.R}, {c.U}>"
 
-    def bind_combine_experts(self, d, wts, y, eid, rows: int, k: int, add: bool = False, cfg: "Config | None" = None):
+    def bind_combine_experts(self, d, wts, y, eid, rows: int, k: int, add: bool = False, cfg: "Config | None" = None,
+                             prefetch=()):
         """The MoE form's down (this Linear) and the weighted sum of each row's k choices in one launch:
         y[r] (+)= sum_j wts[r, j] * (W[eid[r * k + j]] d[r * k + j]) for r < rows (moe_experts' combine; add:
         the residual add after it). The k experts' rows are one K range the CTA's threads share
         (gemv_nvfp4_ggml_ec); each block's sum is scaled by its expert's scale_2 and its weight before the
         sum, so the values are the unfused launches' to float32 rounding, not bit for bit. GGML NVFP4 only.
+        prefetch: up to 3 device arrays (the next linears' weights) the launch brings into the L2 meanwhile.
         Returns the launch."""
         why = combine_experts_supported(self, k)
         if why:
             raise ValueError(f"gemv.Linear.bind_combine_experts: {why}")
+        if len(prefetch) > 3:
+            raise ValueError(f"gemv.Linear.bind_combine_experts: {len(prefetch)} arrays to prefetch (at most 3)")
+        pf = [a for p in list(prefetch) + [None] * (3 - len(prefetch))
+              for a in ((self.w, np.int64(0)) if p is None else (p, np.int64(p.nbytes)))]
         c = cfg or EC_CONFIG
         name, i32 = self.combine_experts_name(c), cp.int32
         grid = (math.ceil(self.out / c.R), int(rows))
         args = (self.w, self.sc, d, wts, y, i32(self.out), i32(self.inn), i32(int(add)), eid, i32(self.experts), i32(k),
-                np.int64(self.wst), np.int64(self.scst))
+                np.int64(self.wst), np.int64(self.scst), *pf)
         return lazy_launch(name, self.defines, grid, (c.T,), args)
 
     def tc_need(self, nb: int, cfg=None) -> tuple[int, int]:

@@ -770,15 +770,24 @@ __global__ void gemv_nvfp4_ggml_pair_e(const u8 *__restrict__ W0, const u8 *__re
 // 8-thread groups share (a group's block v: pair v / (in / 64)), so the k experts' rows stream at once
 // instead of one short row each. y[r] (+)= sum_j wts[p] * (W[e_p] d[p]): each block's sum times its scale
 // byte, its expert's scale_2 and its weight (one float a pair), summed in a fixed order (deterministic;
-// a row's value does not depend on the other rows). ----
+// a row's value does not depend on the other rows). Its CTAs first bring up to three arrays (the next
+// layer's first linears: lever BLOOMERY_MOE_PREFETCH) into the L2, each its share. ----
 #define EC_KMAX 32
 template <int R, int U>
 __global__ void gemv_nvfp4_ggml_ec(const u8 *__restrict__ W, const float *__restrict__ sc, const float *__restrict__ d,
                                    const float *__restrict__ wts, float *__restrict__ y, int out, int in, int add,
-                                   const int *__restrict__ eid, int ne, int k, long long wst, long long scst) {
+                                   const int *__restrict__ eid, int ne, int k, long long wst, long long scst,
+                                   const void *__restrict__ pf0, long long pb0, const void *__restrict__ pf1,
+                                   long long pb1, const void *__restrict__ pf2, long long pb2) {
   __shared__ long long sw[EC_KMAX];
   __shared__ float sf[EC_KMAX];
   const int r0 = blockIdx.y;
+  {                                                  // the next linears' weights into the L2 (pb 0: none)
+    const int part = blockIdx.y * gridDim.x + blockIdx.x, parts = gridDim.x * gridDim.y;
+    l2_prefetch_share(pf0, pb0, part, parts);
+    l2_prefetch_share(pf1, pb1, part, parts);
+    l2_prefetch_share(pf2, pb2, part, parts);
+  }
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
     int e = eid[r0 * k + j];
     e = e < 0 ? 0 : (e >= ne ? ne - 1 : e);
