@@ -458,7 +458,7 @@ class CudaExecutor:
         ops = self.plan["programs"][prog]["ops"]
         steps: list = []
         tags: list = []
-        # the linear right after each decode attention, whose weights that launch may prefetch into the L2
+        # the linears after each decode attention / experts op, whose weights those launches may bring into the L2
         self._after = {id(ops[j]): w for j, w in prefetch_plan(ops, self.attn_prefetch == "on",
                                                                 self.moe_prefetch == "on").items()} \
             if prog == "decode" else {}
@@ -1087,7 +1087,7 @@ class CudaExecutor:
             nx, nw, eps = (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
             steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps,
                                                 prefetch=pf))
-            nxt = self._after.get(id(op), []) if pf is not None else []     # the next layer's first linears
+            nxt = self._after.get(id(op), [])[:3] if pf is not None else []     # the next layer's first linears
             self.prefetching += nxt
             steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None,
                                                    prefetch=[self.w.linear(n).w for n in nxt]))
