@@ -26,6 +26,29 @@ def test_device_resolution():
         devices.resolve("tpu")
 
 
+def slots_run(e, prompts, steps: int):
+    """Each prompt prefilled into its own slot, then `steps` greedy decode steps of all the slots together:
+    (the logits of every chunk and step, every state buffer after, the last tokens)."""
+    import numpy as np
+    logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
+    toks = [int(np.argmax(lg[-1])) for lg in logits]
+    for _ in range(steps):
+        lg, nt = e.decode(toks)
+        logits.append(np.asarray(lg))
+        toks = [int(t) for t in nt]
+    return logits, {n: a.get() for n, a in e.exec.state.items()}, toks
+
+
+def assert_same_run(a, b):
+    """Two slots_run results equal bit for bit: every logit, every state buffer (and there are some)."""
+    import numpy as np
+    assert len(a[0]) == len(b[0]) and all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1].keys() == b[1].keys() and a[1]
+    for n in a[1]:
+        assert np.array_equal(a[1][n], b[1][n]), n
+    assert a[2] == b[2]
+
+
 def test_cuda_modules_import_without_cupy():
     from bloomery.runtime.cuda import executor, gemm, gemm_src, gemv, ops, ops_src, verify_keep   # noqa: F401
     assert "attention_k" in ops_src.SOURCE and "gemv_plain_e" in gemv.kernel_name("mxfp8", 4, 1, 1, 4, experts=True)
@@ -256,18 +279,8 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
         sites = sum(1 for o in ops if o["op"] == "moe_router")
         tag, per = ("rmsnorm+moe_router+moe_experts+add", 4) if fold == "on" else ("moe_router", 2)
         assert sites and tags.count(tag) == sites * (per - (mode == "fused")), (mode, sorted(set(tags)))
-        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
-        toks = [int(np.argmax(lg[-1])) for lg in logits]
-        for _ in range(8):
-            lg, nt = e.decode(toks)
-            logits.append(np.asarray(lg))
-            toks = [int(t) for t in nt]
-        runs[mode] = (logits, {n: a.get() for n, a in e.exec.state.items()})
-    for a, b in zip(runs["fused"][0], runs["two"][0]):
-        assert np.array_equal(a, b)
-    assert runs["fused"][1].keys() == runs["two"][1].keys() and runs["fused"][1]
-    for n in runs["fused"][1]:
-        assert np.array_equal(runs["fused"][1][n], runs["two"][1][n]), n
+        runs[mode] = slots_run(e, prompts, 8)
+    assert_same_run(*runs.values())
 
 
 @needs_gpu
@@ -280,9 +293,10 @@ def test_router_in_one_launch_gives_the_same_logits(name, fold, monkeypatch):
                                             ("BLOOMERY_ATTN_WARPS", "8", "tiny-llama/nvfp4")])
 def test_value_neutral_levers_change_no_value(lever, on, name, monkeypatch):
     """Levers that change no arithmetic: BLOOMERY_MOE_PREFETCH on (the paired experts' launch also brings the
-    down matrices into the L2, the combine the next layer's q, k and v), BLOOMERY_ATTN_PREFETCH on (the decode attention launch the o projection's
-    weights), BLOOMERY_ATTN_WARPS (the FMA attention's launch shape): the logits of prompt chunks and decode
-    steps of three slots are those at the lever's default, bit for bit; the setting is bound."""
+    down matrices into the L2, the combine the next layer's q, k and v), BLOOMERY_ATTN_PREFETCH on (the decode
+    attention launch the o projection's weights), BLOOMERY_ATTN_WARPS (the FMA attention's launch shape): the
+    logits and states of prompt chunks and decode steps of three slots are those at the lever's default, bit for
+    bit; the setting is bound."""
     import numpy as np
     from bloomery.core import levers
     art = artifact(name)
@@ -294,21 +308,15 @@ def test_value_neutral_levers_change_no_value(lever, on, name, monkeypatch):
         e = runtime.Engine(art, device="cuda", ctx=64, slots=3, ubatch=8)
         if lever == "BLOOMERY_MOE_PREFETCH":
             names = [n for n in e.exec._need_names if n.startswith("gemv_nvfp4_ggml_pair_e")]
-            assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)  # <R, U, NORM[, 1]>
+            # <R, U, NORM> or, prefetching, <R, U, NORM, 1>
+            assert names and all(n.count(",") == (3 if mode == "on" else 2) for n in names), (mode, names)
             assert any(w.endswith(".attn_q") for w in e.exec.prefetching) == (mode == "on"), e.exec.prefetching
         elif lever == "BLOOMERY_ATTN_PREFETCH":
             assert bool(e.exec.prefetching) == (mode == "on"), e.exec.prefetching
         else:
             assert (e.exec.attn_warps, e.exec.attn_pv_unroll) == (int(mode[0]), 8 if mode.endswith("-u8") else 0)
-        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
-        toks = [int(np.argmax(lg[-1])) for lg in logits]
-        for _ in range(6):
-            lg, nt = e.decode(toks)
-            logits.append(np.asarray(lg))
-            toks = [int(t) for t in nt]
-        runs[mode] = logits
-    a, b = runs.values()
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+        runs[mode] = slots_run(e, prompts, 6)
+    assert_same_run(*runs.values())
 
 
 @needs_gpu
@@ -333,12 +341,7 @@ def test_moe_norm_fold_is_the_unfused_launches_within_rounding(monkeypatch):
         # a site's launches: the router's GEMV (3 rows: one), its top-k, the experts' pair and combine
         assert tags.count("rmsnorm+moe_router+moe_experts+add") == (4 * sites if mode == "on" else 0), \
             (mode, sorted(set(tags)))
-        logits = [np.asarray(e.prefill(p, slot=s)) for s, p in enumerate(prompts)]
-        toks = [int(np.argmax(lg[-1])) for lg in logits]
-        for _ in range(8):
-            lg, nt = e.decode(toks)
-            logits.append(np.asarray(lg))
-            toks = [int(t) for t in nt]
+        logits, _, toks = slots_run(e, prompts, 8)
         runs[mode] = (logits, toks)
     for a, b in zip(runs["on"][0], runs["off"][0]):
         assert a.shape == b.shape and max(rel(a[r], b[r]) for r in range(len(a))) <= 1e-5
