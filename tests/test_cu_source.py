@@ -37,3 +37,28 @@ def test_the_shared_conversions_have_one_owner():
         for fn in owned:
             n = len(re.findall(rf"__device__ __forceinline__ \S+ {fn}\(", src))
             assert n == 1, f"{name}: {fn} defined {n} times"
+
+
+def test_attention_kernel_names_leave_out_the_defaults():
+    """The decode attention kernel's name at the default launch (4 warps, the compiler's P.V loop) is the name
+    the kernel had before those template arguments; the variants name theirs."""
+    from bloomery.runtime.cuda import attention_decode as AD
+    assert AD.kernel_name(8, 128) == "attention_decode_k<4, 2>"
+    assert AD.kernel_name(3, 64) == "attention_decode_k<2, 1>"
+    assert AD.kernel_name(4, 128, (1, 2)) == "attention_decode_k<4, 1, 1, 2>"
+    assert AD.kernel_name(8, 128, (0, 0), 8) == "attention_decode_k<4, 1, 0, 0, 8>"
+    assert AD.kernel_name(8, 128, (1, 1), 4, 8) == "attention_decode_k<4, 2, 1, 1, 4, 8>"
+    with pytest.raises(ValueError, match="6 warps"):
+        AD.kernel_name(8, 128, warps=6)
+
+
+def test_prefetch_arguments_fill_their_slots():
+    import numpy as np
+
+    class Arr:
+        nbytes = 4096
+    a = Arr()
+    assert cu.prefetch_args([a], 3, "unused") == (a, np.int64(4096), "unused", np.int64(0), "unused", np.int64(0))
+    assert cu.prefetch_args([], 1, "unused") == ("unused", np.int64(0))
+    with pytest.raises(ValueError, match="at most 3"):
+        cu.prefetch_args([a] * 4, 3, "unused")

@@ -337,7 +337,7 @@ def test_router_in_one_launch_is_the_two_launches_bit_for_bit(rows, norm, E, k, 
     want = [cp.asnumpy(a) for a in (lg2, ids2, wts2)]
     for name, a, b in zip(("logits", "ids", "weights"), got, want):
         assert np.array_equal(a, b), f"{name}: not the two launches' bits"
-    buf = {"x": got[0], "w": None, "ids": np.zeros((rows, k), np.int64), "wts": np.zeros((rows, k), np.float32)}
+    buf = {"x": got[0], "ids": np.zeros((rows, k), np.int64), "wts": np.zeros((rows, k), np.float32)}
     moe_router.run({"x": "x", "weight": "eye", "ids": "ids", "weights": "wts", "top_k": k, "norm": renorm},
                    buf, {"eye": np.eye(E, dtype=np.float32)})
     assert np.array_equal(buf["ids"], got[1]), "not NumPy's choice on the same logits"

@@ -38,7 +38,7 @@ SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "qwen3-next-80b
 # (tensor cores, stages, warps, P.V unroll): the FMA form at 4 or 8 warps a CTA, its P.V loop as the compiler
 # unrolls it or by 8 (attention_decode.kernel_name); the tensor-core form at 2, 3 or 4 chunks in flight a warp
 FORMS = {"fma": (False, 2, 4, 0), "fma-u8": (False, 2, 4, 8), "fma8": (False, 2, 8, 0), "fma8-u8": (False, 2, 8, 8),
-         "tc": (True, 2, None, None), "tc3": (True, 3, None, None), "tc4": (True, 4, None, None)}
+         "tc": (True, 2, 4, 0), "tc3": (True, 3, 4, 0), "tc4": (True, 4, 4, 0)}
 
 
 def bench(shape: str, n: int, cache: str, waves: int, reps: int = 20, l2_bytes: int = 1 << 29,

@@ -75,28 +75,22 @@ def smem_bytes(G: int, D: int) -> int:
     return 4 * (G * D + 32 * k_stride(D) + 32 * D + G * 32)
 
 
-WARPS = 4        # the FMA form's warps a CTA (a warp's query heads: every WARPS-th)
-PV_UNROLL = 0    # its P.V loop over a tile's keys unrolled by this many (0: as the compiler chooses)
-
-
-def kernel_name(G: int, D: int, cache=(0, 0), warps: int | None = None, pv_unroll: int | None = None) -> str:
-    """cache: the KV cache's type codes (ops.CACHE_CODE) of the keys and the values; warps (4 or 8) and
-    pv_unroll: WARPS and PV_UNROLL where None."""
-    nw, pvu = warps or WARPS, PV_UNROLL if pv_unroll is None else pv_unroll
-    if nw not in (4, 8):
-        raise ValueError(f"attention_decode: {nw} warps a CTA (4 or 8)")
-    hpw = -(-G // nw)
-    hpw = 4 if hpw == 3 else hpw
-    tail = "" if (tuple(cache), nw, pvu) == ((0, 0), 4, 0) else f", {cache[0]}, {cache[1]}"
-    if (nw, pvu) != (4, 0):
-        tail += f", {nw}, {pvu}"
-    return f"attention_decode_k<{-(-D // 32)}, {hpw}{tail}>"
+def kernel_name(G: int, D: int, cache=(0, 0), warps: int = 4, pv_unroll: int = 0) -> str:
+    """cache: the KV cache's type codes (ops.CACHE_CODE) of the keys and the values; warps: a CTA's (4 or 8;
+    a warp's query heads: every warps-th); pv_unroll: the P.V loop over a tile's keys unrolled by this many
+    (0: as the compiler chooses). The template arguments at their defaults are left out, as C++ names it."""
+    if warps not in (4, 8):
+        raise ValueError(f"attention_decode: {warps} warps a CTA (4 or 8)")
+    hpw = -(-G // warps)
+    targs = [-(-D // 32), 4 if hpw == 3 else hpw, *cache, warps, pv_unroll]
+    while len(targs) > 2 and targs[-1] == (0, 0, 0, 0, 4, 0)[len(targs) - 1]:   # CK, CV, NW, PVU defaults
+        targs.pop()
+    return f"attention_decode_k<{', '.join(map(str, targs))}>"
 
 
 def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: float, pool, sms: int = 132,
          split_rows: int | None = None, cache=(0, 0), waves: int | None = None, pdl: bool = False,
-         tc: bool | None = None, stages: int = TC_STAGES, warps: int | None = None, pv_unroll: int | None = None,
-         prefetch=None):
+         tc: bool | None = None, stages: int = TC_STAGES, warps: int = 4, pv_unroll: int = 0, prefetch=None):
     """split_rows: the row count the context splits are chosen for (default rows; the verify program
     passes 1, so each row is split, summed and merged as a one-row decode step does it); cache: the KV
     cache's type codes (ops.CACHE_CODE) of the keys and the values; waves: splits' (default WAVES);
@@ -118,12 +112,12 @@ def bind(q, ck, cv, pos, slot, out, rows: int, H: int, KV: int, D: int, scale: f
         smem, threads = tc_smem_bytes(D, cache, stages), 128
     else:
         kern = cu.kernel("attention_decode", kernel_name(G, D, cache, warps, pv_unroll))
-        smem, threads = smem_bytes(G, D), 32 * (warps or WARPS)
+        smem, threads = smem_bytes(G, D), 32 * warps
     if smem > 48 * 1024:
         kern.max_dynamic_shared_size_bytes = smem
     part = pool("attention_decode.part", (rows * H * S * (D + 2) if S > 1 else 1,))   # S == 1: unused
     sem = pool("attention_decode.sem", (rows * KV,), np.int32)
-    pf = (q, np.int64(0)) if prefetch is None else (prefetch, np.int64(prefetch.nbytes))
+    pf = cu.prefetch_args([] if prefetch is None else [prefetch], 1, q)
     if use_tc:
         args = (q, ck, cv, pos, slot, out, part, sem, np.int32(H), np.int32(KV), np.int32(ctx), np.float32(scale), *pf)
     else:

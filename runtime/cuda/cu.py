@@ -46,6 +46,18 @@ def source(stem: str) -> str:
     return "".join(out)
 
 
+def prefetch_args(arrays, slots: int, unused) -> tuple:
+    """The (pointer, bytes) argument pairs of a kernel with `slots` L2-prefetch ranges (numerics.cuh
+    l2_prefetch_share: a kernel bringing the next launches' weights into the L2): each array's, then `unused`
+    with 0 bytes (nothing fetched) in the slots left."""
+    import numpy as np
+    arrays = list(arrays)
+    if len(arrays) > slots:
+        raise ValueError(f"{len(arrays)} arrays to prefetch, the kernel takes at most {slots}")
+    return tuple(v for a in arrays + [None] * (slots - len(arrays))
+                 for v in ((unused, np.int64(0)) if a is None else (a, np.int64(a.nbytes))))
+
+
 _MODS: dict = {}
 
 

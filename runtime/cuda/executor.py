@@ -367,7 +367,7 @@ class CudaExecutor:
         self.flops = {p: {"linear": 0, "attention_per_key": 0} for p in self.progs}   # per run, all rows active
         self._need: list = []            # (Linear, rows per launch | None: the MoE form, one) to compile
         self._need_names: list = []      # and GEMV kernels named as they are
-        self._after: dict = {}           # the program being bound: op -> the linears after it it prefetches (_bind)
+        self._after: dict = {}           # the program being bound: op -> the linears after it, which it prefetches
         self.prefetching: list = []      # the weights decode launches prefetch (BLOOMERY_ATTN_ / MOE_PREFETCH)
         self._pooled: dict = {}          # scratch shared by ops (_pool)
         self.keeper = None               # the verify graphs' last launch (verify_keep.py)
@@ -1005,6 +1005,12 @@ class CudaExecutor:
             self.decode_bytes += lin.nbytes
         return lg, self._gemv(prog, lin, bufs[op["x"]], lg, rows, exact=True)
 
+    @staticmethod
+    def _norm_args(norm, bufs, x) -> tuple:
+        """A launch's (x, norm weight, eps): a folded RMSNorm's (its input buffer, weight, eps: _moe_norm_fold's
+        norm), or x as it is (None, 0)."""
+        return (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
+
     def _router_fused(self, op, rows: int, prog: str) -> bool:
         """Whether the moe_router op runs as one launch (gemv_plain_topk; lever BLOOMERY_MOE_ROUTER fused): a
         decode step of up to 8 rows whose router GEMV runs on the CUDA-core kernels in one launch, a matrix
@@ -1021,7 +1027,7 @@ class CudaExecutor:
             sem = self._pool("router_sem", (1,), np.int32)
             self.flops[prog]["linear"] += 2 * rows * lin.out * lin.inn
             self.decode_bytes += lin.nbytes
-            nx, nw, eps = (bufs[op["x"]], None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
+            nx, nw, eps = self._norm_args(norm, bufs, bufs[op["x"]])
             self._need_names.append(lin.topk_name(rows, norm is not None))
             return [lin.bind_topk(nx, lg, rows, bufs[op["ids"]], bufs[op["weights"]], int(op["top_k"]),
                                   bool(op["norm"]), sem, norm_weight=nw, eps=eps)]
@@ -1084,10 +1090,10 @@ class CudaExecutor:
             pf = down if self.moe_prefetch == "on" else None     # the down matrices into the L2 meanwhile
             self._need_names += [gate.pair_experts_name(norm=norm is not None, prefetch=pf is not None),
                                  down.combine_experts_name()]
-            nx, nw, eps = (x, None, 0.0) if norm is None else (bufs[norm[0]], norm[1], norm[2])
+            nx, nw, eps = self._norm_args(norm, bufs, x)
             steps.append(gate.bind_pair_experts(up, nx, g, ids, pairs, k, op.get("limit"), norm_weight=nw, eps=eps,
                                                 prefetch=pf))
-            nxt = self._after.get(id(op), [])[:3] if pf is not None else []     # the next layer's first linears
+            nxt = self._after.get(id(op), [])[:3]          # BLOOMERY_MOE_PREFETCH: the next layer's first linears
             self.prefetching += nxt
             steps.append(down.bind_combine_experts(g, wts, out, ids, rows, k, add=acc is not None,
                                                    prefetch=[self.w.linear(n).w for n in nxt]))

@@ -593,11 +593,14 @@ class Linear:
         elif self.kind in ("q8_0", "mxfp4"):
             args = (self.w, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail, i64(self.wst))
         else:
-            s = self.s if self.s is not None else self.w
-            sc = self.sc if self.sc is not None else x
-            args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail,
+            args = (*self._plain_ptrs(x), x, y, i32(self.out), i32(self.inn), i32(int(accumulate)), *tail,
                     i64(self.wst), i64(self.sst), i64(self.scst))
         kern(grid, (c.T,), args)
+
+    def _plain_ptrs(self, x) -> tuple:
+        """The plain-format kernels' (W, S, sc) arguments: the block scales and the per-tensor / per-channel
+        factors where the format has them, else a pointer the kernel never reads."""
+        return self.w, (self.s if self.s is not None else self.w), (self.sc if self.sc is not None else x)
 
     def topk_name(self, nb: int, norm: bool = False) -> str:
         """The name of bind_topk's kernel: the 1-launch router of nb rows (norm: the RMSNorm folded in)."""
@@ -618,9 +621,7 @@ class Linear:
             raise ValueError(f"gemv.Linear.bind_topk: norm weight of {norm_weight.size} values for {self.inn} inputs")
         c, i32 = default_config(self.kind, self.out, self.inn, nb), cp.int32
         name = self.topk_name(nb, norm_weight is not None)
-        s = self.s if self.s is not None else self.w          # unused pointer slots, as launch()
-        sc = self.sc if self.sc is not None else x
-        args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), x if norm_weight is None else norm_weight,
+        args = (*self._plain_ptrs(x), x, y, i32(self.out), i32(self.inn), i32(nb), x if norm_weight is None else norm_weight,
                 np.float32(eps), sem, ids, wts, i32(k), i32(bool(renorm)))
         smem = 4 * (c.T // 32) * self.out
         go = PDL.launcher(self.pdl)
@@ -678,10 +679,7 @@ class Linear:
         why = combine_experts_supported(self, k)
         if why:
             raise ValueError(f"gemv.Linear.bind_combine_experts: {why}")
-        if len(prefetch) > 3:
-            raise ValueError(f"gemv.Linear.bind_combine_experts: {len(prefetch)} arrays to prefetch (at most 3)")
-        pf = [a for p in list(prefetch) + [None] * (3 - len(prefetch))
-              for a in ((self.w, np.int64(0)) if p is None else (p, np.int64(p.nbytes)))]
+        pf = cu.prefetch_args(prefetch, 3, self.w)
         c = cfg or EC_CONFIG
         name, i32 = self.combine_experts_name(c), cp.int32
         grid = (math.ceil(self.out / c.R), int(rows))
@@ -773,9 +771,7 @@ class Linear:
         elif self.kind == "nvfp4_ggml":
             args = (self.w, self.sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
         else:
-            s = self.s if self.s is not None else self.w     # unused pointer slot
-            sc = self.sc if self.sc is not None else x
-            args = (self.w, s, sc, x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
+            args = (*self._plain_ptrs(x), x, y, i32(self.out), i32(self.inn), i32(nb), i32(int(accumulate)))
         self._go(kern, grid, (c.T,), args)
 
 
